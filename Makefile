@@ -1,0 +1,43 @@
+# mlx-h2o: `make demo` (main job) and `make test` work on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# Debian's OpenBLAS replaces the reference BLAS linked by the mlx-cpu wheel (~30x faster matmul).
+OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
+PRELOAD := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS),)
+PYTEST_ARGS ?= -q
+
+.PHONY: install demo test wheel clean openblas bench ppl swift
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(MAKE) --no-print-directory openblas
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test,plot]"
+	touch $(STAMP)
+
+# Best effort: only where apt works (Debian/Ubuntu as root); mlx still runs without it.
+openblas:
+	@if [ "$$(uname -s)" = Linux ] && [ ! -e $(OPENBLAS) ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		(apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1 || \
+		 (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1)) \
+		|| echo "note: could not install libopenblas0-pthread; CPU matmuls will be slow"; \
+	fi
+
+demo: install
+	$(PRELOAD) $(PY) -m mlx_h2o generate \
+		--prompt "$$(cat docs/demo_prompt.txt)" --max-tokens 80 \
+		--h2o-max-size 128 --h2o-sink-size 4 --h2o-recent-budget 64
+
+test: install
+	$(PRELOAD) $(PY) -m pytest $(PYTEST_ARGS)
+
+wheel: install
+	$(PY) -m pip wheel -q --no-deps -w dist .
+
+clean:
+	rm -rf $(VENV) dist build *.egg-info .pytest_cache .hypothesis
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
