@@ -1,0 +1,21 @@
+"""mlx-h2o: H2O (Heavy-Hitter Oracle) KV-cache eviction for mlx-lm.
+
+Nothing is patched at import: use ``with mlx_h2o.patch():`` (or ``generate``).
+"""
+
+from .cache import H2OKVCache
+from .config import SCORE_MODES, H2OConfig
+from .integration.factory import make_h2o_cache
+from .integration.routing import disable, enable, is_enabled, patch
+
+__all__ = [
+    "H2OConfig",
+    "H2OKVCache",
+    "SCORE_MODES",
+    "disable",
+    "enable",
+    "is_enabled",
+    "make_h2o_cache",
+    "patch",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,239 @@
+"""H2OKVCache: a bounded KV cache that keeps sinks, heavy hitters and a recent window."""
+
+from typing import Optional
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+
+from .. import policy
+from ..config import H2OConfig
+from ..kernels import scaled_dot_product_attention_with_scores
+
+NO_SCORES = (
+    "H2OKVCache.update_and_fetch was called again before the attention of the "
+    "previous call reported its scores. The model's attention does not go "
+    "through mlx_lm.models.base.scaled_dot_product_attention, or routing is "
+    "off: wrap the forward pass in `with mlx_h2o.patch():`{model}."
+)
+
+
+class H2OKVCache:
+    """mlx-lm KV cache with H2O eviction.
+
+    Storage is slot based: preallocated (B, n_kv_heads, slots, D) buffers with a
+    token position per slot. A decode step that evicts writes the new token
+    into the victim's slot (per sequence and KV head), so slot order is not
+    token order and masks come from positions. Chunks of L > 1 tokens are
+    appended, attended in full, then compacted once to ``max_size``.
+    ``offset`` counts every token seen (it drives RoPE), never the slots used.
+    """
+
+    def __init__(self, config: H2OConfig, window_size: Optional[int] = None):
+        if not isinstance(config, H2OConfig):
+            raise TypeError(f"config must be an H2OConfig, got {type(config).__name__}")
+        if window_size is not None and window_size < 1:
+            raise ValueError(f"window_size must be >= 1, got {window_size}")
+        self.config = config
+        self.window_size = window_size
+        self.keys = self.values = None
+        self.positions = self.score = self.count = None
+        self.offset = 0  # tokens seen
+        self.evicted = 0  # tokens evicted per (sequence, KV head)
+        self._n = 0  # slots in use
+        self._pending = False
+        self.model_name = ""
+
+    @property
+    def max_size(self) -> int:
+        return self.config.max_size
+
+    # --- mlx-lm cache contract -------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if self._pending:
+            name = f" (model: {self.model_name})" if self.model_name else ""
+            raise RuntimeError(NO_SCORES.format(model=name))
+        L = keys.shape[2]
+        if L == 1 and self._n >= self.max_size:
+            self._write_into_victim(keys, values)
+        else:
+            self._append(keys, values)
+        self.offset += L
+        self._pending = True
+        n = self._n
+        return self.keys[..., :n, :], self.values[..., :n, :]
+
+    def h2o_attention(self, queries, keys, values, *, scale, mask=None, sinks=None):
+        """Attention over the fetched keys/values that folds in this step's scores."""
+        out, logits, lse = scaled_dot_product_attention_with_scores(
+            queries, keys, values, scale=scale, mask=self._mask(queries.shape[2], mask),
+            sinks=sinks,
+        )
+        n, cfg = self._n, self.config
+        score, count = policy.fold_scores(
+            cfg.score, self.score[..., :n], self.count[..., :n], logits, lse,
+            cfg.ema_alpha,
+        )
+        self.score[..., :n] = score
+        self.count[..., :n] = count
+        self._pending = False
+        if n > self.max_size:
+            self._compact()
+        return out
+
+    def size(self) -> int:
+        return self._n
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        arrays = (self.keys, self.values, self.positions, self.score, self.count)
+        return sum(a.nbytes for a in arrays)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the newest n tokens; after eviction only the recent window can go."""
+        limit = self.offset if self.evicted == 0 else self.config.recent_budget
+        n = max(0, min(n, limit, self._n))
+        if n and self.evicted:
+            cut = self.offset - n
+            slots = mx.argsort(mx.where(self.positions < cut, self.positions, 2**31 - 1))
+            self._gather(slots[..., : self._n - n])
+        self._n -= n
+        self.offset -= n
+        self._pending = False
+        return n
+
+    def make_mask(self, N: int, window_size=None, return_array: bool = False):
+        # Windows are applied from positions in h2o_attention; this describes
+        # the slot layout after the upcoming append (new tokens at the end).
+        if N == 1:
+            return None
+        if return_array:
+            return create_causal_mask(N, self._n)
+        return "causal"
+
+    @property
+    def state(self):
+        n = self._n
+        if self.keys is None:
+            return []
+        return tuple(
+            a[..., :n, :] if a.ndim == 4 else a[..., :n]
+            for a in (self.keys, self.values, self.positions, self.score, self.count)
+        )
+
+    @state.setter
+    def state(self, v):
+        if not v:
+            self.keys = self.values = self.positions = self.score = self.count = None
+            self._n = 0
+            return
+        self.keys, self.values, self.positions, self.score, self.count = v
+        self._n = self.keys.shape[2]
+
+    @property
+    def meta_state(self):
+        window = "" if self.window_size is None else str(self.window_size)
+        return (str(self.offset), str(self.evicted), window, self.model_name)
+
+    @meta_state.setter
+    def meta_state(self, v):
+        offset, evicted, window, self.model_name = v
+        self.offset, self.evicted = int(offset), int(evicted)
+        self.window_size = int(window) if window else None
+
+    @classmethod
+    def from_state(cls, state, meta_state, config: H2OConfig) -> "H2OKVCache":
+        obj = cls(config)
+        obj.state = state
+        obj.meta_state = meta_state
+        return obj
+
+    # --- slots ----------------------------------------------------------------
+    def _append(self, keys, values):
+        B, Hk, L, _ = keys.shape
+        n, need = self._n, self._n + L
+        if self.keys is None or need > self.keys.shape[2]:
+            self._grow(B, Hk, need, keys, values)
+        self.keys[..., n:need, :] = keys
+        self.values[..., n:need, :] = values
+        self.positions[..., n:need] = mx.arange(self.offset, self.offset + L)
+        self.score[..., n:need] = 0.0
+        self.count[..., n:need] = 0.0
+        self._n = need
+
+    def _grow(self, B, Hk, need, keys, values):
+        step, cap, n = self.config.step, self.max_size, self._n
+        # Grow in steps up to max_size; a chunk past the budget gets exact room.
+        size = min(-(-need // step) * step, cap) if need <= cap else need
+
+        def resize(old, shape, dtype):
+            new = mx.zeros(shape, dtype)
+            if old is not None:
+                new[:, :, :n] = old[:, :, :n]
+            return new
+
+        self.keys = resize(self.keys, (B, Hk, size, keys.shape[3]), keys.dtype)
+        self.values = resize(self.values, (B, Hk, size, values.shape[3]), values.dtype)
+        self.positions = resize(self.positions, (B, Hk, size), mx.int32)
+        self.score = resize(self.score, (B, Hk, size), mx.float32)
+        self.count = resize(self.count, (B, Hk, size), mx.float32)
+
+    def _priority(self, offset):
+        cfg, n = self.config, self._n
+        pos = self.positions[..., :n]
+        keep = policy.protected(pos, offset, cfg.sink_size, cfg.recent_budget, cfg.pinned)
+        score = policy.eviction_score(cfg.score, self.score[..., :n], self.count[..., :n])
+        return policy.priority(score, keep, pos, offset, self.window_size), pos
+
+    def _write_into_victim(self, keys, values):
+        pri, pos = self._priority(self.offset + 1)
+        slot = policy.select_victim(pri, pos)[..., None]  # (B, Hk, 1)
+        self.keys = mx.put_along_axis(self.keys, slot[..., None], keys, axis=2)
+        self.values = mx.put_along_axis(self.values, slot[..., None], values, axis=2)
+        new_pos = mx.full(slot.shape, self.offset, mx.int32)
+        self.positions = mx.put_along_axis(self.positions, slot, new_pos, axis=2)
+        zero = mx.zeros(slot.shape, mx.float32)
+        self.score = mx.put_along_axis(self.score, slot, zero, axis=2)
+        self.count = mx.put_along_axis(self.count, slot, zero, axis=2)
+        self.evicted += 1
+
+    def _compact(self):
+        pri, pos = self._priority(self.offset)
+        self.evicted += self._n - self.max_size
+        self._gather(policy.select_keep(pri, pos, self.max_size))
+
+    def _gather(self, slots):
+        """Keep only ``slots`` (B, Hk, k), in that order."""
+        n = self._n
+        take = lambda a: mx.take_along_axis(a[..., :n], slots, axis=-1)
+        take4 = lambda a: mx.take_along_axis(a[..., :n, :], slots[..., None], axis=2)
+        self.keys, self.values = take4(self.keys), take4(self.values)
+        self.positions, self.score, self.count = (
+            take(self.positions), take(self.score), take(self.count)
+        )
+        self._n = slots.shape[-1]
+
+    # --- masks ----------------------------------------------------------------
+    def _mask(self, L, mask):
+        own = self._position_mask(L)
+        if not isinstance(mask, mx.array):
+            return own
+        if own is None or isinstance(own, str):
+            return mask  # a slot-layout array mask already encodes causality
+        if mask.dtype == mx.bool_:
+            return own & mask
+        return mx.where(own, mask, -mx.inf)
+
+    def _position_mask(self, L):
+        if self.window_size is None or (L == 1 and self.offset <= self.window_size):
+            return None if L == 1 else "causal"
+        q = mx.arange(self.offset - L, self.offset)[:, None]  # (L, 1)
+        k = self.positions[..., None, : self._n]  # (B, Hk, 1, n)
+        return (k <= q) & (k > q - self.window_size)  # (B, Hk, L, n)

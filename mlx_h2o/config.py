@@ -1,0 +1,119 @@
+"""H2O cache configuration."""
+
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+SCORE_MODES = ("ema", "accumulated", "normalized")
+
+
+@dataclass(frozen=True)
+class H2OConfig:
+    """Budget split and scoring of an H2O KV cache.
+
+    The cache keeps at most ``max_size`` tokens per layer: the first
+    ``sink_size`` positions (attention sinks), the last ``recent_budget``
+    positions (recent window) and the ``heavy_budget`` other tokens with the
+    highest score (heavy hitters). ``max_size = sink + heavy + recent``.
+    Leave ``heavy_budget`` or ``recent_budget`` (or both) as ``None`` to derive
+    it: with both unset the remainder is split in half (heavy gets the extra).
+
+    Score modes (one score per KV head, mean over the query heads of its group):
+      - ``"ema"``: EMA of |logit| over decode steps (the H2O-in-MLX paper),
+        ``s = alpha * s + (1 - alpha) * mean_q |logit|``; first sight sets s.
+      - ``"accumulated"``: sum of softmax attention over all queries (original
+        H2O, Zhang et al. 2023).
+      - ``"normalized"``: accumulated attention divided by the number of
+        queries that could see the key (removes the age bias of the sum).
+
+    ``pinned`` holds half-open position ranges ``(start, end)`` that are never
+    evicted; they use heavy-hitter slots.
+    """
+
+    max_size: int
+    sink_size: int = 4
+    heavy_budget: Optional[int] = None
+    recent_budget: Optional[int] = None
+    score: str = "ema"
+    ema_alpha: float = 0.95
+    pinned: Tuple[Tuple[int, int], ...] = field(default_factory=tuple)
+    step: int = 256
+
+    def __post_init__(self):
+        _check_int("max_size", self.max_size, 1)
+        _check_int("sink_size", self.sink_size, 0)
+        _check_int("step", self.step, 1)
+        heavy, recent = _split(
+            self.max_size, self.sink_size, self.heavy_budget, self.recent_budget
+        )
+        object.__setattr__(self, "heavy_budget", heavy)
+        object.__setattr__(self, "recent_budget", recent)
+        if self.score not in SCORE_MODES:
+            raise ValueError(
+                f"score={self.score!r} is not a score mode; use one of {SCORE_MODES}"
+            )
+        if not 0.0 < self.ema_alpha < 1.0:
+            raise ValueError(f"ema_alpha must be in (0, 1), got {self.ema_alpha}")
+        object.__setattr__(self, "pinned", _check_pinned(self.pinned, heavy))
+
+    @property
+    def pinned_count(self) -> int:
+        return sum(end - start for start, end in self.pinned)
+
+
+def _check_int(name, value, lowest):
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < lowest:
+        raise ValueError(f"{name} must be >= {lowest}, got {value}")
+
+
+def _split(max_size, sink, heavy, recent):
+    for name, v in (("heavy_budget", heavy), ("recent_budget", recent)):
+        if v is not None:
+            _check_int(name, v, 0)
+    if sink >= max_size:
+        raise ValueError(
+            f"sink_size={sink} leaves no room in max_size={max_size}: "
+            "use a sink_size smaller than max_size"
+        )
+    rest = max_size - sink
+    if heavy is None and recent is None:
+        recent = rest // 2
+        heavy = rest - recent
+    elif heavy is None:
+        heavy = rest - recent
+    elif recent is None:
+        recent = rest - heavy
+    if heavy < 0 or recent < 0 or sink + heavy + recent != max_size:
+        raise ValueError(
+            f"sink_size + heavy_budget + recent_budget = {sink} + {heavy} + {recent}"
+            f" must equal max_size={max_size}: leave one budget unset to derive it"
+        )
+    if recent < 1:
+        raise ValueError(
+            "recent_budget must be >= 1: the newest token must stay in the cache"
+        )
+    return heavy, recent
+
+
+def _check_pinned(pinned, heavy):
+    ranges = []
+    for r in pinned:
+        if len(r) != 2 or not all(isinstance(x, int) for x in r) or r[0] >= r[1]:
+            raise ValueError(
+                f"pinned range {r!r} must be (start, end) ints with start < end"
+            )
+        if r[0] < 0:
+            raise ValueError(f"pinned range {r!r} starts before position 0")
+        ranges.append((int(r[0]), int(r[1])))
+    ranges.sort()
+    for (_, e0), (s1, _) in zip(ranges, ranges[1:]):
+        if s1 < e0:
+            raise ValueError(f"pinned ranges overlap: {ranges}")
+    count = sum(e - s for s, e in ranges)
+    if count > heavy:
+        raise ValueError(
+            f"{count} pinned positions exceed heavy_budget={heavy}: "
+            "pinned tokens use heavy-hitter slots; raise heavy_budget"
+        )
+    return tuple(ranges)

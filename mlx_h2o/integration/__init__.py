@@ -1,0 +1,1 @@
+"""mlx-lm integration: cache factory, attention routing, generation."""

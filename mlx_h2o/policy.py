@@ -1,0 +1,102 @@
+"""H2O policy: score accumulation and victim selection (pure functions).
+
+Scores are kept per (sequence, KV head, slot): the query heads of a GQA group
+are averaged into one score. Selection uses an exact total order so every
+backend makes the same decision: a slot's key is (priority, position), where
+priority is +inf for protected slots (sinks, recent window, pinned), -inf for
+slots a sliding-window layer can no longer see, else the eviction score. Ties
+in score evict the older position first.
+"""
+
+from typing import Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+
+def fold_scores(
+    mode: str,
+    score: mx.array,
+    count: mx.array,
+    logits: mx.array,
+    lse: mx.array,
+    alpha: float = 0.95,
+) -> Tuple[mx.array, mx.array]:
+    """Fold one attention call into the running scores.
+
+    Shapes: score, count (B, n_kv_heads, N) float32; logits (B, n_heads, L, N)
+    with masked entries -inf; lse (B, n_heads, L). ``count`` is the number of
+    queries that could see each key (visibility taken from the group's first
+    head: masks are shared within a GQA group).
+    """
+    B, Hq, L, N = logits.shape
+    Hk = score.shape[1]
+    lg = logits.reshape(B, Hk, Hq // Hk, L, N)
+    visible = lg[:, :, 0] > -mx.inf  # (B, Hk, L, N)
+    seen = visible.astype(mx.float32).sum(axis=2)  # (B, Hk, N)
+    if mode == "ema":
+        mag = mx.where(visible[:, :, None], mx.abs(lg), 0.0).mean(axis=2).sum(axis=2)
+        step = mag / mx.maximum(seen, 1.0)
+        ema = mx.where(count > 0, alpha * score + (1.0 - alpha) * step, step)
+        score = mx.where(seen > 0, ema, score)
+    elif mode in ("accumulated", "normalized"):
+        probs = mx.exp(lg - lse.reshape(B, Hk, Hq // Hk, L, 1))
+        score = score + probs.mean(axis=2).sum(axis=2)
+    else:
+        raise ValueError(f"unknown score mode {mode!r}")
+    return score, count + seen
+
+
+def eviction_score(mode: str, score: mx.array, count: mx.array) -> mx.array:
+    """The number that ranks tokens: higher is kept."""
+    if mode == "normalized":
+        return score / mx.maximum(count, 1.0)
+    return score
+
+
+def protected(
+    positions: mx.array,
+    offset: int,
+    sink_size: int,
+    recent_budget: int,
+    pinned: Sequence[Tuple[int, int]] = (),
+) -> mx.array:
+    """Slots that are never evicted, given ``offset`` tokens seen (incl. new ones)."""
+    keep = (positions < sink_size) | (positions >= offset - recent_budget)
+    for start, end in pinned:
+        keep = keep | ((positions >= start) & (positions < end))
+    return keep
+
+
+def priority(
+    score: mx.array,
+    keep: mx.array,
+    positions: mx.array,
+    offset: int,
+    window_size: Optional[int] = None,
+) -> mx.array:
+    """Eviction priority: +inf protected, -inf outside a sliding window."""
+    pri = mx.where(keep, mx.inf, score)
+    if window_size is not None:
+        # The newest query sits at offset - 1; older keys are invisible to it.
+        pri = mx.where(positions <= offset - 1 - window_size, -mx.inf, pri)
+    return pri
+
+
+def order_keys(pri: mx.array, positions: mx.array) -> mx.array:
+    """Unique int64 keys ordering slots by (priority, position)."""
+    bits = mx.view(pri.astype(mx.float32) + 0.0, mx.int32)  # + 0.0 folds -0 into 0
+    ordered = mx.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return ordered.astype(mx.int64) * (1 << 32) + positions.astype(mx.int64)
+
+
+def select_victim(pri: mx.array, positions: mx.array) -> mx.array:
+    """(B, n_kv_heads) slot of the lowest (priority, position)."""
+    return mx.argmin(order_keys(pri, positions), axis=-1)
+
+
+def select_keep(pri: mx.array, positions: mx.array, k: int) -> mx.array:
+    """(B, n_kv_heads, k) slots of the k highest keys, in position order."""
+    keys = order_keys(pri, positions)
+    top = mx.argsort(keys, axis=-1)[..., keys.shape[-1] - k :]
+    order = mx.argsort(mx.take_along_axis(positions, top, axis=-1), axis=-1)
+    return mx.take_along_axis(top, order, axis=-1)
