@@ -1,7 +1,7 @@
 """H2O cache configuration."""
 
-from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Optional, Tuple
 
 SCORE_MODES = ("ema", "accumulated", "normalized")
 
@@ -117,3 +117,15 @@ def _check_pinned(pinned, heavy):
             "pinned tokens use heavy-hitter slots; raise heavy_budget"
         )
     return tuple(ranges)
+
+
+def config_to_dict(config: H2OConfig) -> Dict[str, Any]:
+    d = asdict(config)
+    d["pinned"] = [list(r) for r in config.pinned]
+    return d
+
+
+def config_from_dict(d: Dict[str, Any]) -> H2OConfig:
+    d = dict(d)
+    d["pinned"] = tuple(tuple(r) for r in d.get("pinned", ()))
+    return H2OConfig(**d)

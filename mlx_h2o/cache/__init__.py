@@ -1,5 +1,6 @@
 """KV caches with H2O eviction (hold state; policy lives in mlx_h2o.policy)."""
 
 from .h2o import H2OKVCache
+from .io import load_prompt_cache, register_cache_class, save_prompt_cache
 
-__all__ = ["H2OKVCache"]
+__all__ = ["H2OKVCache", "load_prompt_cache", "register_cache_class", "save_prompt_cache"]

@@ -1,13 +1,14 @@
 """H2OKVCache: a bounded KV cache that keeps sinks, heavy hitters and a recent window."""
 
+import json
 from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from .. import policy
-from ..config import H2OConfig
-from ..kernels import scaled_dot_product_attention_with_scores
+from ..config import H2OConfig, config_from_dict, config_to_dict
+from .storage import DenseKV, put_slot, resize_slots, take_slots
 
 NO_SCORES = (
     "H2OKVCache.update_and_fetch was called again before the attention of the "
@@ -28,6 +29,8 @@ class H2OKVCache:
     ``offset`` counts every token seen (it drives RoPE), never the slots used.
     """
 
+    storage_cls = DenseKV
+
     def __init__(self, config: H2OConfig, window_size: Optional[int] = None):
         if not isinstance(config, H2OConfig):
             raise TypeError(f"config must be an H2OConfig, got {type(config).__name__}")
@@ -35,7 +38,7 @@ class H2OKVCache:
             raise ValueError(f"window_size must be >= 1, got {window_size}")
         self.config = config
         self.window_size = window_size
-        self.keys = self.values = None
+        self.kv = self.storage_cls()
         self.positions = self.score = self.count = None
         self.offset = 0  # tokens seen
         self.evicted = 0  # tokens evicted per (sequence, KV head)
@@ -59,14 +62,13 @@ class H2OKVCache:
             self._append(keys, values)
         self.offset += L
         self._pending = True
-        n = self._n
-        return self.keys[..., :n, :], self.values[..., :n, :]
+        return self.kv.fetch(self._n)
 
     def h2o_attention(self, queries, keys, values, *, scale, mask=None, sinks=None):
         """Attention over the fetched keys/values that folds in this step's scores."""
-        out, logits, lse = scaled_dot_product_attention_with_scores(
-            queries, keys, values, scale=scale, mask=self._mask(queries.shape[2], mask),
-            sinks=sinks,
+        mask = self._mask(queries.shape[2], mask)
+        out, logits, lse = self.kv.attention(
+            queries, keys, values, scale=scale, mask=mask, sinks=sinks
         )
         n, cfg = self._n, self.config
         score, count = policy.fold_scores(
@@ -84,14 +86,14 @@ class H2OKVCache:
         return self._n
 
     def empty(self) -> bool:
-        return self.keys is None
+        return self.positions is None
 
     @property
     def nbytes(self) -> int:
-        if self.keys is None:
+        if self.positions is None:
             return 0
-        arrays = (self.keys, self.values, self.positions, self.score, self.count)
-        return sum(a.nbytes for a in arrays)
+        meta = (self.positions, self.score, self.count)
+        return self.kv.nbytes + sum(a.nbytes for a in meta)
 
     def is_trimmable(self) -> bool:
         return True
@@ -120,70 +122,65 @@ class H2OKVCache:
 
     @property
     def state(self):
-        n = self._n
-        if self.keys is None:
+        if self.positions is None:
             return []
-        return tuple(
-            a[..., :n, :] if a.ndim == 4 else a[..., :n]
-            for a in (self.keys, self.values, self.positions, self.score, self.count)
-        )
+        n = self._n
+        meta = (self.positions[..., :n], self.score[..., :n], self.count[..., :n])
+        return (*self.kv.state(n), *meta)
 
     @state.setter
     def state(self, v):
         if not v:
-            self.keys = self.values = self.positions = self.score = self.count = None
+            self.kv = self.storage_cls()
+            self.positions = self.score = self.count = None
             self._n = 0
             return
-        self.keys, self.values, self.positions, self.score, self.count = v
-        self._n = self.keys.shape[2]
+        *kv, self.positions, self.score, self.count = v
+        self.kv.set_state(kv)
+        self._n = self.positions.shape[2]
 
     @property
     def meta_state(self):
         window = "" if self.window_size is None else str(self.window_size)
-        return (str(self.offset), str(self.evicted), window, self.model_name)
+        config = json.dumps(config_to_dict(self.config))
+        return (str(self.offset), str(self.evicted), window, self.model_name, config)
 
     @meta_state.setter
     def meta_state(self, v):
-        offset, evicted, window, self.model_name = v
+        offset, evicted, window, self.model_name, config = v
         self.offset, self.evicted = int(offset), int(evicted)
         self.window_size = int(window) if window else None
+        self.config = config_from_dict(json.loads(config))
 
     @classmethod
-    def from_state(cls, state, meta_state, config: H2OConfig) -> "H2OKVCache":
-        obj = cls(config)
-        obj.state = state
+    def from_state(cls, state, meta_state) -> "H2OKVCache":
+        window, config = meta_state[2], json.loads(meta_state[4])
+        obj = cls(config_from_dict(config), int(window) if window else None)
         obj.meta_state = meta_state
+        obj.state = state
         return obj
 
     # --- slots ----------------------------------------------------------------
     def _append(self, keys, values):
-        B, Hk, L, _ = keys.shape
-        n, need = self._n, self._n + L
-        if self.keys is None or need > self.keys.shape[2]:
-            self._grow(B, Hk, need, keys, values)
-        self.keys[..., n:need, :] = keys
-        self.values[..., n:need, :] = values
+        L, n = keys.shape[2], self._n
+        need = n + L
+        if need > self.kv.capacity:
+            self._grow(need, keys, values)
+        self.kv.write(n, keys, values)
         self.positions[..., n:need] = mx.arange(self.offset, self.offset + L)
         self.score[..., n:need] = 0.0
         self.count[..., n:need] = 0.0
         self._n = need
 
-    def _grow(self, B, Hk, need, keys, values):
+    def _grow(self, need, keys, values):
         step, cap, n = self.config.step, self.max_size, self._n
         # Grow in steps up to max_size; a chunk past the budget gets exact room.
         size = min(-(-need // step) * step, cap) if need <= cap else need
-
-        def resize(old, shape, dtype):
-            new = mx.zeros(shape, dtype)
-            if old is not None:
-                new[:, :, :n] = old[:, :, :n]
-            return new
-
-        self.keys = resize(self.keys, (B, Hk, size, keys.shape[3]), keys.dtype)
-        self.values = resize(self.values, (B, Hk, size, values.shape[3]), values.dtype)
-        self.positions = resize(self.positions, (B, Hk, size), mx.int32)
-        self.score = resize(self.score, (B, Hk, size), mx.float32)
-        self.count = resize(self.count, (B, Hk, size), mx.float32)
+        self.kv.resize(n, size, keys, values)
+        shape = (*keys.shape[:2], size)
+        self.positions = resize_slots(self.positions, n, shape, mx.int32)
+        self.score = resize_slots(self.score, n, shape, mx.float32)
+        self.count = resize_slots(self.count, n, shape, mx.float32)
 
     def _priority(self, offset):
         cfg, n = self.config, self._n
@@ -195,13 +192,12 @@ class H2OKVCache:
     def _write_into_victim(self, keys, values):
         pri, pos = self._priority(self.offset + 1)
         slot = policy.select_victim(pri, pos)[..., None]  # (B, Hk, 1)
-        self.keys = mx.put_along_axis(self.keys, slot[..., None], keys, axis=2)
-        self.values = mx.put_along_axis(self.values, slot[..., None], values, axis=2)
+        self.kv.write_slot(slot, keys, values)
         new_pos = mx.full(slot.shape, self.offset, mx.int32)
-        self.positions = mx.put_along_axis(self.positions, slot, new_pos, axis=2)
+        self.positions = put_slot(self.positions, slot, new_pos)
         zero = mx.zeros(slot.shape, mx.float32)
-        self.score = mx.put_along_axis(self.score, slot, zero, axis=2)
-        self.count = mx.put_along_axis(self.count, slot, zero, axis=2)
+        self.score = put_slot(self.score, slot, zero)
+        self.count = put_slot(self.count, slot, zero)
         self.evicted += 1
 
     def _compact(self):
@@ -212,12 +208,10 @@ class H2OKVCache:
     def _gather(self, slots):
         """Keep only ``slots`` (B, Hk, k), in that order."""
         n = self._n
-        take = lambda a: mx.take_along_axis(a[..., :n], slots, axis=-1)
-        take4 = lambda a: mx.take_along_axis(a[..., :n, :], slots[..., None], axis=2)
-        self.keys, self.values = take4(self.keys), take4(self.values)
-        self.positions, self.score, self.count = (
-            take(self.positions), take(self.score), take(self.count)
-        )
+        self.kv.gather(slots, n)
+        self.positions = take_slots(self.positions, slots, n)
+        self.score = take_slots(self.score, slots, n)
+        self.count = take_slots(self.count, slots, n)
         self._n = slots.shape[-1]
 
     # --- masks ----------------------------------------------------------------

@@ -1,0 +1,79 @@
+"""Slot storage for K/V: preallocated buffers with the slot on axis 2.
+
+The cache owns the bookkeeping (positions, scores); a storage owns the tensors
+and knows how to attend over them. A quantized storage swaps in packed
+triples and its own attention with the same interface.
+"""
+
+import mlx.core as mx
+
+from ..kernels import scaled_dot_product_attention_with_scores
+
+
+def resize_slots(old, n: int, shape, dtype):
+    """A zeroed buffer of ``shape`` holding the first n slots of ``old``."""
+    new = mx.zeros(shape, dtype)
+    if old is not None:
+        new[:, :, :n] = old[:, :, :n]
+    return new
+
+
+def take_slots(a, slots, n: int):
+    """Gather slots (B, Hk, k) along axis 2 of the first n slots of ``a``."""
+    idx = slots if a.ndim == 3 else slots[..., None]
+    return mx.take_along_axis(a[:, :, :n], idx, axis=2)
+
+
+def put_slot(a, slot, value):
+    """Write value (B, Hk, 1[, D]) into slot (B, Hk, 1) along axis 2."""
+    idx = slot if a.ndim == 3 else slot[..., None]
+    return mx.put_along_axis(a, idx, value, axis=2)
+
+
+class DenseKV:
+    """Keys and values as plain (B, n_kv_heads, slots, D) arrays."""
+
+    def __init__(self):
+        self.keys = self.values = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def resize(self, n: int, size: int, keys: mx.array, values: mx.array):
+        B, Hk = keys.shape[:2]
+        self.keys = resize_slots(self.keys, n, (B, Hk, size, keys.shape[3]), keys.dtype)
+        self.values = resize_slots(
+            self.values, n, (B, Hk, size, values.shape[3]), values.dtype
+        )
+
+    def write(self, start: int, keys: mx.array, values: mx.array):
+        end = start + keys.shape[2]
+        self.keys[..., start:end, :] = keys
+        self.values[..., start:end, :] = values
+
+    def write_slot(self, slot: mx.array, keys: mx.array, values: mx.array):
+        self.keys = put_slot(self.keys, slot, keys)
+        self.values = put_slot(self.values, slot, values)
+
+    def gather(self, slots: mx.array, n: int):
+        self.keys = take_slots(self.keys, slots, n)
+        self.values = take_slots(self.values, slots, n)
+
+    def fetch(self, n: int):
+        return self.keys[..., :n, :], self.values[..., :n, :]
+
+    def attention(self, queries, keys, values, *, scale, mask, sinks):
+        return scaled_dot_product_attention_with_scores(
+            queries, keys, values, scale=scale, mask=mask, sinks=sinks
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def state(self, n: int):
+        return self.fetch(n)
+
+    def set_state(self, arrays):
+        self.keys, self.values = arrays
