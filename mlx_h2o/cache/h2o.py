@@ -41,6 +41,7 @@ class H2OKVCache:
         self.kv = self.storage_cls()
         self.positions = self.score = self.count = None
         self.offset = 0  # tokens seen
+        self.token_bytes = 0  # dense K+V bytes of one token (all sequences, heads)
         self.evicted = 0  # tokens evicted per (sequence, KV head)
         self._n = 0  # slots in use
         self._pending = False
@@ -56,6 +57,7 @@ class H2OKVCache:
             name = f" (model: {self.model_name})" if self.model_name else ""
             raise RuntimeError(NO_SCORES.format(model=name))
         L = keys.shape[2]
+        self.token_bytes = (keys.nbytes + values.nbytes) // L
         if L == 1 and self._n >= self.max_size:
             self._write_into_victim(keys, values)
         else:
