@@ -105,10 +105,12 @@ class H2OKVCache:
         limit = self.offset if self.evicted == 0 else self.config.recent_budget
         n = max(0, min(n, limit, self._n))
         if n and self.evicted:
-            cut = self.offset - n
-            slots = mx.argsort(mx.where(self.positions < cut, self.positions, 2**31 - 1))
+            # Trimmed tokens sit anywhere in slot order: regather the rest.
+            pos = self.positions[..., : self._n]
+            slots = mx.argsort(mx.where(pos < self.offset - n, pos, 2**31 - 1))
             self._gather(slots[..., : self._n - n])
-        self._n -= n
+        else:
+            self._n -= n  # slots are in token order until the first eviction
         self.offset -= n
         self._pending = False
         return n

@@ -1,0 +1,154 @@
+"""H2OKVCache invariants over random streams, trim, save/load, bad input."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mlx_h2o import H2OConfig, H2OKVCache
+from mlx_h2o.cache import load_prompt_cache, save_prompt_cache
+
+D, HQ, HK = 8, 4, 2
+
+
+def step(cache, L, rng, B=2):
+    """One attention call the way an mlx-lm layer makes it."""
+    q, k, v = (mx.array(rng.standard_normal((B, h, L, D)).astype(np.float32)) for h in (HQ, HK, HK))
+    mask = cache.make_mask(L)
+    keys, values = cache.update_and_fetch(k * 3, v)
+    return cache.h2o_attention(q, keys, values, scale=1.0, mask=mask)
+
+
+def kept_positions(cache):
+    return np.array(cache.positions[..., : cache.size()])
+
+
+def check_invariants(cache, seen, cfg):
+    pos = kept_positions(cache)
+    assert cache.offset == seen
+    assert cache.size() == min(seen, cfg.max_size) == pos.shape[-1]
+    must = set(range(min(cfg.sink_size, seen))) | set(range(max(0, seen - cfg.recent_budget), seen))
+    for s, e in cfg.pinned:
+        must |= set(range(s, min(e, seen)))
+    for row in pos.reshape(-1, pos.shape[-1]):
+        assert len(set(row.tolist())) == len(row), "positions are unique"
+        assert row.min() >= 0 and row.max() < seen
+        assert must <= set(row.tolist()), "sinks, recent window and pinned are kept"
+    assert cache.evicted == seen - cache.size()
+
+
+configs = st.builds(
+    lambda m, s, h, mode: H2OConfig(max_size=m, sink_size=min(s, m - 2), heavy_budget=min(h, m - min(s, m - 2) - 1), score=mode),
+    st.integers(3, 24), st.integers(0, 4), st.integers(0, 12),
+    st.sampled_from(["ema", "accumulated", "normalized"]),
+)
+chunks = st.lists(st.one_of(st.just(1), st.integers(1, 30)), min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=configs, lengths=chunks, seed=st.integers(0, 2**31 - 1))
+def test_invariants_over_random_streams(cfg, lengths, seed):
+    rng, cache, seen = np.random.default_rng(seed), H2OKVCache(cfg), 0
+    for L in lengths:
+        step(cache, L, rng)
+        seen += L
+        check_invariants(cache, seen, cfg)
+
+
+def test_pinned_ranges_survive():
+    cfg = H2OConfig(max_size=12, sink_size=2, heavy_budget=5, pinned=((20, 23),))
+    rng, cache = np.random.default_rng(0), H2OKVCache(cfg)
+    for L in [30] + [1] * 40:
+        step(cache, L, rng)
+    check_invariants(cache, 70, cfg)
+
+
+def test_sequences_evict_independently():
+    cfg = H2OConfig(max_size=10, sink_size=2, heavy_budget=4, score="accumulated")
+    lengths = [13] + [1] * 25
+    both = H2OKVCache(cfg)
+    singles = [H2OKVCache(cfg), H2OKVCache(cfg)]
+    rng = np.random.default_rng(1)
+    for L in lengths:
+        q, k, v = (rng.standard_normal((2, h, L, D)).astype(np.float32) * 3 for h in (HQ, HK, HK))
+        for cache, sl in [(both, slice(0, 2))] + [(c, slice(b, b + 1)) for b, c in enumerate(singles)]:
+            keys, values = cache.update_and_fetch(mx.array(k[sl]), mx.array(v[sl]))
+            cache.h2o_attention(mx.array(q[sl]), keys, values, scale=1.0, mask=cache.make_mask(L))
+    joint = kept_positions(both)
+    for b, c in enumerate(singles):
+        np.testing.assert_array_equal(np.sort(joint[b], -1), np.sort(kept_positions(c)[0], -1))
+    assert not np.array_equal(np.sort(joint[0], -1), np.sort(joint[1], -1)), "sequences differ"
+
+
+def test_window_layer_drops_invisible_tokens_first():
+    cfg = H2OConfig(max_size=12, sink_size=4, heavy_budget=4)
+    rng, cache = np.random.default_rng(2), H2OKVCache(cfg, window_size=8)
+    for L in [20] + [1] * 10:
+        step(cache, L, rng)
+    pos = kept_positions(cache)
+    # 12 slots but only 8 visible positions: all 8 visible ones are kept.
+    for row in pos.reshape(-1, 12):
+        assert set(range(22, 30)) <= set(row.tolist())
+
+
+def test_trim_recent_tokens():
+    cfg = H2OConfig(max_size=10, sink_size=2, heavy_budget=4)
+    rng, cache = np.random.default_rng(3), H2OKVCache(cfg)
+    for L in [6, 1, 1]:
+        step(cache, L, rng)
+    assert cache.trim(3) == 3 and cache.offset == 5 and cache.size() == 5  # no eviction yet
+    for L in [20] + [1] * 5:
+        step(cache, L, rng)
+    assert cache.offset == 30
+    assert cache.trim(10) == cfg.recent_budget  # only the recent window is surely present
+    assert cache.offset == 26 and cache.size() == 6
+    assert kept_positions(cache).max() == 25
+    step(cache, 1, rng)
+    assert kept_positions(cache).max() == 26 and cache.offset == 27
+
+
+def test_save_load_round_trip(tmp_path):
+    cfg = H2OConfig(max_size=10, sink_size=2, heavy_budget=4, score="normalized")
+    rng, cache = np.random.default_rng(4), [H2OKVCache(cfg), H2OKVCache(cfg, window_size=6)]
+    for L in [15, 1, 1, 1]:
+        for c in cache:
+            step(c, L, rng)
+    path = str(tmp_path / "prompt.safetensors")
+    save_prompt_cache(path, cache, {"model": "test"})
+    loaded, meta = load_prompt_cache(path, return_metadata=True)
+    assert meta == {"model": "test"} and [c.window_size for c in loaded] == [None, 6]
+    for a, b in zip(cache, loaded):
+        assert (a.offset, a.evicted, a.config, a.size()) == (b.offset, b.evicted, b.config, b.size())
+        for x, y in zip(a.state, b.state):
+            np.testing.assert_array_equal(np.array(x), np.array(y))
+    outs = [step(c, 1, np.random.default_rng(9)) for c in (cache[0], loaded[0])]
+    np.testing.assert_array_equal(np.array(outs[0]), np.array(outs[1]))
+    assert not list(tmp_path.glob(".tmp-*")), "no temporary file left behind"
+
+
+def test_corrupt_or_foreign_file(tmp_path):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(ValueError, match="not a readable cache file"):
+        load_prompt_cache(str(path))
+    mx.save_safetensors(str(path), {"a": mx.zeros(2)})
+    with pytest.raises(ValueError, match="not an mlx-h2o cache file"):
+        load_prompt_cache(str(path))
+    with pytest.raises(ValueError, match="must end with .safetensors"):
+        save_prompt_cache(str(tmp_path / "x.bin"), [])
+
+
+def test_missing_scores_raise_clear_error():
+    cache = H2OKVCache(H2OConfig(max_size=8))
+    k = mx.zeros((1, HK, 1, D))
+    cache.update_and_fetch(k, k)
+    with pytest.raises(RuntimeError, match="mlx_h2o.patch"):
+        cache.update_and_fetch(k, k)
+
+
+def test_bad_constructor_input():
+    with pytest.raises(TypeError, match="H2OConfig"):
+        H2OKVCache({"max_size": 8})
+    with pytest.raises(ValueError, match="window_size"):
+        H2OKVCache(H2OConfig(max_size=8), window_size=0)
