@@ -1,0 +1,85 @@
+"""`mlx-h2o bench`: prefill/decode tok/s and peak memory per cache strategy.
+
+Examples:
+    mlx-h2o bench --model smollm2-135m -p 512 -g 128 --max-kv 256
+    mlx-h2o bench --random-config qwen3-8b --bits 4 -p 4096 -g 256 --max-kv 1024
+Prints a config header, one key=value line per trial, a summary table and a
+final JSON line (for scripts).
+"""
+
+import argparse
+import json
+
+import mlx.core as mx
+
+from ..eval.bench import RANDOM_CONFIGS, one_trial, random_model, summarize
+from ..eval.common import fmt_table, load_any
+from ..eval.results import machine_info
+from ..eval.strategies import parse_strategy
+
+COLUMNS = ("strategy", "max_kv", "prefill_tps", "decode_tps", "decode_ratio",
+           "prefill_ratio", "decode_spread_pct", "peak_gb", "peak_delta_gb", "kv_mb")
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, help="packaged model or mlx-lm path")
+    src.add_argument("--random-config", choices=sorted(RANDOM_CONFIGS),
+                     help="random weights with a real model's shapes (speed only)")
+    p.add_argument("--bits", type=int, default=0, help="quantize a random model (4, 8)")
+    p.add_argument("--dtype", default="bfloat16", help="random-model dtype")
+    p.add_argument("--prompt-tokens", "-p", type=int, default=512)
+    p.add_argument("--generation-tokens", "-g", type=int, default=128)
+    p.add_argument("--batch-size", "-b", type=int, default=1)
+    p.add_argument("--max-kv", type=int, nargs="+", default=[256])
+    p.add_argument("--strategies", nargs="+", default=["baseline", "rotating", "h2o-heavy"])
+    p.add_argument("--num-trials", "-n", type=int, default=3)
+    p.add_argument("--prefill-step", type=int, default=2048)
+    p.add_argument("--no-warmup", action="store_true")
+    return p
+
+
+def _load(args):
+    if args.random_config:
+        dtype = getattr(mx, args.dtype)
+        return random_model(args.random_config, args.bits, dtype=dtype), args.random_config
+    name = args.model or "smollm2-135m"
+    return load_any(name)[0], name
+
+
+def main(argv=None) -> int:
+    args = setup_arg_parser().parse_args(argv)
+    strategies = [parse_strategy(s) for s in args.strategies]
+    model, name = _load(args)
+    units = [(st, kv) for st in strategies for kv in (args.max_kv if st.bounded else [0])]
+    config = {"model": name, "bits": args.bits, "prompt_tokens": args.prompt_tokens,
+              "generation_tokens": args.generation_tokens, "batch_size": args.batch_size,
+              "prefill_step": args.prefill_step, "trials": args.num_trials,
+              **machine_info()}
+    for k, v in config.items():
+        print(f"# {k}={v}")
+    vocab = model.args.vocab_size if hasattr(model, "args") else 1000
+    prompt = mx.random.randint(0, vocab, (args.batch_size, args.prompt_tokens),
+                               key=mx.random.key(0))
+    run = lambda st, kv: one_trial(model, prompt, st, kv or args.prompt_tokens,  # noqa
+                                   args.generation_tokens, args.prefill_step)
+    if not args.no_warmup:
+        for st, kv in units:
+            run(st, kv)
+    trials = []
+    for i in range(args.num_trials):
+        for st, kv in units:  # interleaved: every strategy once per trial
+            t = dict(trial=i + 1, **run(st, kv))
+            trials.append(t)
+            print(" ".join(f"{k}={_fmt(v)}" for k, v in t.items()), flush=True)
+    rows = summarize(trials)
+    print()
+    print(fmt_table(rows, COLUMNS))
+    print(json.dumps({"config": config, "summary": rows}))
+    return 0
+
+
+def _fmt(v):
+    return f"{v:.3f}" if isinstance(v, float) else v

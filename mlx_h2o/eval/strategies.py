@@ -1,0 +1,137 @@
+"""Named KV-cache strategies for the evaluation commands.
+
+A strategy turns a model and a KV budget (``max_kv`` tokens per layer) into a
+prompt cache:
+
+- ``baseline``: mlx-lm's ``KVCache`` (unbounded; the reference).
+- ``rotating``: mlx-lm's ``RotatingKVCache(max_kv, keep=sink)`` (sliding window
+  with attention sinks; StreamingLLM).
+- ``h2o-recent`` / ``h2o-balanced`` / ``h2o-heavy``: H2O with the paper's splits
+  of 256 (s4 h32 r220, s4 h64 r188, s4 h128 r124), scaled to other budgets by
+  keeping the heavy fraction (1/8, 1/4, 1/2) and a sink of 4.
+- ``h2o``: H2O with ``H2OConfig``'s own defaults for the split.
+
+Any name takes overrides after a colon, ``name:key=value,key=value``: ``heavy``
+(a fraction of max_kv when < 1, else tokens), ``sink``, and any ``H2OConfig``
+field (``score=normalized``, ``ema_alpha=0.9``, ...). Score-mode shorthands:
+``h2o-heavy-acc``, ``h2o-heavy-norm``, ``h2o-heavy-ema`` (any split).
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+from ..config import H2OConfig, config_to_dict
+from ..integration.factory import make_h2o_cache
+
+SPLITS = {"recent": 1 / 8, "balanced": 1 / 4, "heavy": 1 / 2}
+SCORE_SHORT = {"acc": "accumulated", "norm": "normalized", "ema": "ema"}
+DEFAULT_STRATEGIES = ("baseline", "rotating", "h2o-recent", "h2o-balanced", "h2o-heavy")
+_CONFIG_FIELDS = {f.name: f.type for f in dataclasses.fields(H2OConfig)}
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A named recipe for a prompt cache at a given KV budget."""
+
+    name: str
+    kind: str  # "baseline" | "rotating" | "h2o"
+    sink: int = 4
+    heavy: float = None  # fraction of max_kv (< 1) or tokens; None: config default
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def bounded(self) -> bool:
+        return self.kind != "baseline"
+
+    def h2o_config(self, max_kv: int) -> H2OConfig:
+        heavy = self.heavy
+        if heavy is not None and heavy < 1:
+            heavy = int(round(heavy * max_kv))
+        opts = dict(self.options)
+        return H2OConfig(max_size=max_kv, sink_size=self.sink, heavy_budget=heavy, **opts)
+
+    def describe(self, max_kv: int) -> dict[str, Any]:
+        d = {"strategy": self.name, "kind": self.kind, "max_kv": max_kv}
+        if self.kind == "rotating":
+            d.update(sink=self.sink)
+        elif self.kind == "h2o":
+            d.update(config_to_dict(self.h2o_config(max_kv)))
+        return d
+
+    def make_cache(self, model, max_kv: int) -> list[Any]:
+        if self.kind == "baseline":
+            return make_prompt_cache(model)
+        if self.kind == "rotating":
+            return rotating_cache(model, max_kv, self.sink)
+        return make_h2o_cache(model, self.h2o_config(max_kv))
+
+
+def rotating_cache(model, max_kv: int, sink: int) -> list[Any]:
+    """Every attention cache a sliding window of max_kv tokens with ``sink`` kept.
+
+    A model's own sliding-window layers keep their window (capped at max_kv)
+    and no sinks, so their attention stays within the window they were trained on.
+    """
+    caches = make_prompt_cache(model)
+    for i, c in enumerate(caches):
+        if type(c) is KVCache:
+            caches[i] = RotatingKVCache(max_size=max_kv, keep=sink)
+        elif type(c) is RotatingKVCache and c.max_size > max_kv:
+            caches[i] = RotatingKVCache(max_size=max_kv, keep=0)
+    return caches
+
+
+def parse_strategy(spec: str) -> Strategy:
+    """``'h2o-heavy-norm:ema_alpha=0.9'`` -> Strategy."""
+    base, _, opts = spec.partition(":")
+    parts = base.split("-")
+    options = _parse_options(opts, spec)
+    sink = int(options.pop("sink", 4))
+    heavy = options.pop("heavy", None)
+    if parts[0] in ("baseline", "rotating") and len(parts) == 1:
+        if options:
+            raise ValueError(f"strategy {spec!r}: {parts[0]} takes only sink=")
+        return Strategy(spec, parts[0], sink=sink)
+    if parts[0] != "h2o" or len(parts) > 3:
+        raise ValueError(f"unknown strategy {spec!r}; e.g. {', '.join(DEFAULT_STRATEGIES)}")
+    rest = parts[1:]
+    if rest and rest[-1] in SCORE_SHORT:
+        options.setdefault("score", SCORE_SHORT[rest.pop()])
+    if rest:
+        if rest[0] not in SPLITS or len(rest) > 1:
+            raise ValueError(f"strategy {spec!r}: split must be one of {sorted(SPLITS)}")
+        heavy = SPLITS[rest[0]] if heavy is None else heavy
+    heavy = None if heavy is None else float(heavy)
+    strategy = Strategy(spec, "h2o", sink=sink, heavy=heavy, options=options)
+    strategy.h2o_config(256)  # validate the options now, not mid-run
+    return strategy
+
+
+def _parse_options(opts: str, spec: str) -> dict[str, Any]:
+    out = {}
+    for item in filter(None, opts.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"strategy {spec!r}: option {item!r} is not key=value")
+        if key not in ("sink", "heavy") and key not in _CONFIG_FIELDS:
+            raise ValueError(f"strategy {spec!r}: unknown option {key!r}")
+        out[key] = _convert(value)
+    return out
+
+
+def _convert(value: str):
+    low = value.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return value
+
