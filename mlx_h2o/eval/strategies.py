@@ -48,8 +48,8 @@ class Strategy:
 
     def h2o_config(self, max_kv: int) -> H2OConfig:
         heavy = self.heavy
-        if heavy is not None and heavy < 1:
-            heavy = int(round(heavy * max_kv))
+        if heavy is not None:
+            heavy = int(round(heavy * max_kv)) if heavy < 1 else int(heavy)
         opts = dict(self.options)
         return H2OConfig(max_size=max_kv, sink_size=self.sink, heavy_budget=heavy, **opts)
 
