@@ -1,0 +1,47 @@
+// swift-tools-version: 5.9
+// mlx-h2o for Swift: H2OCore (pure Swift, builds and tests anywhere) and MLXH2O
+// (mlx-swift + mlx-swift-lm; Apple platforms). MLXH2O is part of the package only
+// when asked for, so `swift build` / `swift test` on Linux build H2OCore alone:
+//   MLXH2O_MLX_SWIFT_LM=/path/to/mlx-swift-lm  a (patched) local checkout, or
+//   MLXH2O_WITH_MLX=1                          the pinned remote release.
+// See docs/SWIFT.md.
+
+import PackageDescription
+
+let environment = Context.environment
+let localLM = environment["MLXH2O_MLX_SWIFT_LM"].flatMap { $0.isEmpty ? nil : $0 }
+let withMLX = localLM != nil || environment["MLXH2O_WITH_MLX"] == "1"
+
+let package = Package(
+    name: "mlx-h2o",
+    platforms: [.macOS(.v14), .iOS(.v17)],
+    products: [
+        .library(name: "H2OCore", targets: ["H2OCore"])
+    ],
+    targets: [
+        .target(name: "H2OCore"),
+        // Reads the shared JSON vectors from Tests/Vectors by #filePath.
+        .testTarget(name: "H2OCoreTests", dependencies: ["H2OCore"]),
+    ]
+)
+
+if withMLX {
+    // mlx-swift-lm 3.31.3 pairs with mlx-swift 0.31.3; the routing patch in
+    // patches/ is written against AttentionUtils.swift of the commit named there.
+    package.dependencies += [
+        localLM.map { .package(path: $0) }
+            ?? .package(url: "https://github.com/ml-explore/mlx-swift-lm", exact: "3.31.3"),
+        .package(url: "https://github.com/ml-explore/mlx-swift", .upToNextMinor(from: "0.31.3")),
+    ]
+    package.products.append(.library(name: "MLXH2O", targets: ["MLXH2O"]))
+    package.targets.append(
+        .target(
+            name: "MLXH2O",
+            dependencies: [
+                "H2OCore",
+                .product(name: "MLX", package: "mlx-swift"),
+                .product(name: "MLXLMCommon", package: "mlx-swift-lm"),
+            ],
+            // A patched checkout has KVCacheAttentionProtocol (patches/0001).
+            swiftSettings: localLM != nil ? [.define("MLXH2O_ROUTED")] : []))
+}

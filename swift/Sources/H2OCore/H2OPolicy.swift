@@ -1,0 +1,109 @@
+// H2O policy on plain arrays: score folding and victim selection
+// (mirrors mlx_h2o/policy.py, one (sequence, KV head) row at a time).
+
+import Foundation
+
+/// Score accumulation and the exact eviction order.
+///
+/// Selection uses a total order so every backend makes the same decision: a
+/// slot's key is (priority, position), where priority is +inf for protected
+/// slots (sinks, recent window, pinned), -inf for slots a sliding-window layer
+/// can no longer see, else the eviction score. Ties in score evict the older
+/// position first.
+public enum H2OPolicy {
+
+    /// Folds one attention call into the running scores of row (`batch`, `kvHead`).
+    ///
+    /// Shapes: `score`, `count` (N) for this row; `scores.logits` (B, n_heads, L, N).
+    /// The query heads of the KV head's group are averaged; `count` gains the
+    /// number of queries that could see each key (visibility from the group's
+    /// first head: masks are shared within a GQA group). Float32 arithmetic in
+    /// the order of the MLX ops (mean over heads as sum times 1/G, then sum
+    /// over queries).
+    public static func foldScores(
+        mode: ScoreMode, score: inout [Float], count: inout [Float], scores s: AttentionScores,
+        batch b: Int, kvHead h: Int, kvHeads: Int, alpha: Double
+    ) {
+        let G = s.heads / kvHeads
+        let invG = Float(1.0 / Double(G))
+        let a = Float(alpha)
+        let oneMinusA = Float(1.0 - alpha)
+        for j in 0 ..< s.keys {
+            var seen: Float = 0
+            var total: Float = 0
+            for l in 0 ..< s.queries {
+                let visible = s.logit(b, h * G, l, j) > -Float.infinity
+                if visible { seen += 1 }
+                var group: Float = 0
+                for g in h * G ..< (h + 1) * G {
+                    let x = s.logit(b, g, l, j)
+                    switch mode {
+                    case .ema: group += visible ? Swift.abs(x) : 0
+                    case .accumulated, .normalized: group += Foundation.exp(x - s.logSumExp(b, g, l))
+                    }
+                }
+                total += group * invG
+            }
+            switch mode {
+            case .ema:
+                let step = total / Swift.max(seen, 1)
+                let ema = count[j] > 0 ? a * score[j] + oneMinusA * step : step
+                if seen > 0 { score[j] = ema }
+            case .accumulated, .normalized:
+                score[j] = score[j] + total
+            }
+            count[j] = count[j] + seen
+        }
+    }
+
+    /// The number that ranks tokens: higher is kept.
+    @inline(__always)
+    public static func evictionScore(mode: ScoreMode, score: Float, count: Float) -> Float {
+        mode == .normalized ? score / Swift.max(count, 1) : score
+    }
+
+    /// Whether `position` is never evicted, given `offset` tokens seen (incl. new ones).
+    public static func isProtected(position: Int32, offset: Int, config: H2OConfig) -> Bool {
+        let p = Int(position)
+        if p < config.sinkSize || p >= offset - config.recentBudget { return true }
+        return config.pinned.contains { $0.contains(p) }
+    }
+
+    /// Eviction priority: +inf protected, -inf outside a sliding window, else `score`.
+    public static func priority(
+        score: Float, protected: Bool, position: Int32, offset: Int, windowSize: Int?
+    ) -> Float {
+        // The newest query sits at offset - 1; older keys are invisible to it.
+        if let windowSize, Int(position) <= offset - 1 - windowSize { return -.infinity }
+        return protected ? .infinity : score
+    }
+
+    /// A unique key ordering slots by (priority, position): an order-preserving
+    /// map of the float's bits in the high word, the position in the low word.
+    @inline(__always)
+    public static func orderKey(priority: Float, position: Int32) -> Int64 {
+        let bits = Int32(bitPattern: (priority + 0.0).bitPattern)  // + 0.0 folds -0 into 0
+        let ordered = bits >= 0 ? bits : bits ^ 0x7FFF_FFFF
+        return Int64(ordered) * (1 << 32) + Int64(position)
+    }
+
+    /// The slot with the lowest (priority, position).
+    public static func selectVictim(priorities: [Float], positions: [Int32]) -> Int {
+        precondition(!priorities.isEmpty && priorities.count == positions.count)
+        var best = 0
+        var bestKey = orderKey(priority: priorities[0], position: positions[0])
+        for i in 1 ..< priorities.count {
+            let key = orderKey(priority: priorities[i], position: positions[i])
+            if key < bestKey { (best, bestKey) = (i, key) }
+        }
+        return best
+    }
+
+    /// The `k` slots with the highest (priority, position), in position order.
+    public static func selectKeep(priorities: [Float], positions: [Int32], k: Int) -> [Int] {
+        precondition(priorities.count == positions.count && k <= priorities.count)
+        let keys = zip(priorities, positions).map { orderKey(priority: $0, position: $1) }
+        let top = keys.indices.sorted { keys[$0] < keys[$1] }.suffix(k)
+        return top.sorted { positions[$0] < positions[$1] }
+    }
+}
