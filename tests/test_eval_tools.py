@@ -97,3 +97,12 @@ def test_plots_write_pngs(tmp_path):
     grids = {"h2o": {(512, 0.1): 1.0, (512, 0.5): 0.5}}
     out2 = plots.plot_heatmaps(grids, [512], [0.1, 0.5], tmp_path / "b.png")
     assert out.read_bytes()[:4] == out2.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_passkey_prefill_logits_match_full_forward():
+    model = tiny_gemma3()
+    toks = mx.random.randint(0, VOCAB, (2, 45), key=mx.random.key(5))
+    cache = parse_strategy("baseline").make_cache(model, 0)
+    got = passkey.prefill(model, toks, cache, step=16)  # chunks 16, 16, 13
+    assert cache[0].offset == 45
+    assert mx.allclose(got, model(toks)[:, -1], atol=1e-4).item()

@@ -19,10 +19,23 @@ from .strategies import Strategy
 
 
 def prefill(model, tokens: mx.array, cache, step: int) -> mx.array:
-    """Feed (B, L) tokens in chunks of ``step``; the last position's logits (B, V)."""
+    """Feed (B, L) tokens in chunks of ``step``; the last position's logits (B, V).
+
+    Only the last token goes through the LM head: logits for every prompt
+    position would take B * step * vocab floats (2 GB per sample for Gemma 3).
+    """
+    body = getattr(model, "model", None)
     L = tokens.shape[1]
     for s in range(0, L, step):
-        logits = model(tokens[:, s : s + step], cache=cache)[:, -1]
+        chunk = tokens[:, s : min(s + step, L)]
+        if body is not None:
+            if s + step >= L and chunk.shape[1] > 1:
+                eval_cache(body(chunk[:, :-1], cache=cache), cache)
+                chunk = chunk[:, -1:]
+            elif s + step < L:
+                eval_cache(body(chunk, cache=cache), cache)
+                continue
+        logits = model(chunk, cache=cache)[:, -1]
         eval_cache(logits, cache)
     return logits
 
