@@ -2,5 +2,20 @@
 
 from .h2o import H2OKVCache
 from .io import load_prompt_cache, register_cache_class, save_prompt_cache
+from .quantized import (
+    MixedPrecisionH2OKVCache,
+    QuantConfig,
+    QuantizedH2OKVCache,
+    quantized_cache_type,
+)
 
-__all__ = ["H2OKVCache", "load_prompt_cache", "register_cache_class", "save_prompt_cache"]
+__all__ = [
+    "H2OKVCache",
+    "MixedPrecisionH2OKVCache",
+    "QuantConfig",
+    "QuantizedH2OKVCache",
+    "load_prompt_cache",
+    "quantized_cache_type",
+    "register_cache_class",
+    "save_prompt_cache",
+]

@@ -1,0 +1,270 @@
+"""Quantized K/V slot storage: MLX affine triples, uniform or in two precisions.
+
+Quantization is per token (groups run along head_dim), so every slot
+operation (write a token, gather kept slots, write into a victim's slot)
+moves whole triples: nothing is dequantized and requantized. Each token is
+quantized once, when written.
+
+``MixedKV`` keeps two zones: slots [0, split) at ``hi_bits`` (sinks, pinned,
+heavy hitters) and slots [split, ...) at ``lo_bits`` (the recent window). A
+token that moves from the low zone to the high zone is *widened* exactly:
+codes times (2**hi - 1) / (2**lo - 1), scales divided by the same factor,
+biases kept, so it represents the same values it was written with.
+"""
+
+import mlx.core as mx
+
+from ..kernels.quantized import quantized_attention
+from .storage import put_slot, resize_slots, take_slots
+
+Triple = tuple[mx.array, mx.array, mx.array]
+
+
+def _unpack(w: mx.array, bits: int) -> mx.array:
+    """(…, W) uint32 -> (…, W * 32 / bits) uint32 codes."""
+    shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
+    codes = (w[..., None] >> shifts) & ((1 << bits) - 1)  # (…, W, 32 / bits)
+    return codes.reshape(*w.shape[:-1], -1)
+
+
+def _pack(codes: mx.array, bits: int) -> mx.array:
+    """Inverse of ``_unpack``: the fields are disjoint, so a sum is an OR."""
+    shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
+    fields = codes.reshape(*codes.shape[:-1], -1, 32 // bits) << shifts
+    return fields.sum(axis=-1).astype(mx.uint32)
+
+
+def convert(t: Triple, src_bits: int, dst_bits: int) -> Triple:
+    """Re-express a triple at another width, in the integer domain.
+
+    Widening (dst > src) is exact: code * f, scale / f with f = (2**dst - 1) /
+    (2**src - 1) an integer (17 for 4 -> 8). Narrowing rounds codes to the
+    nearest multiple of f: at most half a dst step plus the src error.
+    """
+    if src_bits == dst_bits:
+        return t
+    w, s, b = t
+    lo, hi = sorted((src_bits, dst_bits))
+    f = ((1 << hi) - 1) // ((1 << lo) - 1)
+    codes = _unpack(w, src_bits)
+    if dst_bits > src_bits:
+        return _pack(codes * f, dst_bits), s / f, b
+    return _pack((codes + f // 2) // f, dst_bits), s * f, b
+
+
+def _select(cond: mx.array, a: Triple, b: Triple) -> Triple:
+    return tuple(mx.where(cond, x, y) for x, y in zip(a, b))
+
+
+class QuantizedKV:
+    """Keys and values as (B, n_kv_heads, slots, ·) affine-quantized triples."""
+
+    def __init__(self, bits: int = 8, group_size: int = 64):
+        self.bits, self.group_size = bits, group_size
+        self.keys: Triple | None = None
+        self.values: Triple | None = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys[0].shape[2]
+
+    def quantize(self, x: mx.array) -> Triple:
+        return mx.quantize(x, group_size=self.group_size, bits=self.bits)
+
+    def resize(self, n: int, size: int, keys: mx.array, values: mx.array):
+        self.keys = self._resize(self.keys, n, size, keys)
+        self.values = self._resize(self.values, n, size, values)
+
+    def _resize(self, old, n, size, x):
+        B, Hk, _, D = x.shape
+        old = old or (None, None, None)
+        shapes = [(B, Hk, size, D * self.bits // 32)]
+        shapes += [(B, Hk, size, D // self.group_size)] * 2
+        dtypes = (mx.uint32, x.dtype, x.dtype)
+        return tuple(resize_slots(o, n, s, d) for o, s, d in zip(old, shapes, dtypes))
+
+    def write(self, start: int, keys: mx.array, values: mx.array):
+        end = start + keys.shape[2]
+        for stored, new in (
+            (self.keys, self.quantize(keys)),
+            (self.values, self.quantize(values)),
+        ):
+            for a, x in zip(stored, new):
+                a[..., start:end, :] = x
+
+    def write_slot(self, slot: mx.array, keys: mx.array, values: mx.array):
+        self.put(slot, self.quantize(keys), self.quantize(values))
+
+    def put(self, slot: mx.array, keys: Triple, values: Triple):
+        """Write already-quantized (B, Hk, 1, ·) triples into slot (B, Hk, 1)."""
+        self.keys = tuple(put_slot(a, slot, x) for a, x in zip(self.keys, keys))
+        self.values = tuple(put_slot(a, slot, x) for a, x in zip(self.values, values))
+
+    def take(self, slots: mx.array, n: int) -> tuple[Triple, Triple]:
+        """Triples of ``slots`` (B, Hk, k) among the first n slots."""
+        return (
+            tuple(take_slots(a, slots, n) for a in self.keys),
+            tuple(take_slots(a, slots, n) for a in self.values),
+        )
+
+    def gather(self, slots: mx.array, n: int):
+        self.keys, self.values = self.take(slots, n)
+
+    def fetch(self, n: int):
+        return tuple(a[..., :n, :] for a in self.keys), tuple(
+            a[..., :n, :] for a in self.values
+        )
+
+    def attention(self, queries, keys, values, *, scale, mask, sinks):
+        return quantized_attention(
+            queries,
+            keys,
+            values,
+            scale=scale,
+            bits=self.bits,
+            group_size=self.group_size,
+            mask=mask,
+            sinks=sinks,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return sum(a.nbytes for a in (*self.keys, *self.values))
+
+    def state(self, n: int) -> list[mx.array]:
+        keys, values = self.fetch(n)
+        return [*keys, *values]
+
+    def set_state(self, arrays):
+        arrays = list(arrays)
+        self.keys, self.values = tuple(arrays[:3]), tuple(arrays[3:6])
+
+
+class MixedKV:
+    """Slots [0, split) at ``hi_bits``, slots [split, ...) at ``lo_bits``.
+
+    The high zone carries one scratch slot at index ``split`` (never fetched):
+    a decode step that evicts from the low zone sends its no-op promotion
+    there instead of branching per head.
+    """
+
+    def __init__(self, hi_bits: int, lo_bits: int, group_size: int, split: int):
+        self.hi = QuantizedKV(hi_bits, group_size)
+        self.lo = QuantizedKV(lo_bits, group_size)
+        self.split = split
+        self._cap = 0
+
+    @property
+    def capacity(self) -> int:
+        return self._cap
+
+    def resize(self, n: int, size: int, keys: mx.array, values: mx.array):
+        A = self.split
+        self.hi.resize(min(n, A), min(size, A) + (size > A), keys, values)
+        if size > A:
+            self.lo.resize(max(n - A, 0), size - A, keys, values)
+        self._cap = size
+
+    def write(self, start: int, keys: mx.array, values: mx.array):
+        L, A = keys.shape[2], self.split
+        cut = min(max(A - start, 0), L)
+        if cut:
+            self.hi.write(start, keys[..., :cut, :], values[..., :cut, :])
+        if cut < L:
+            self.lo.write(start + cut - A, keys[..., cut:, :], values[..., cut:, :])
+
+    def write_slot(self, slot: mx.array, keys: mx.array, values: mx.array):
+        """Write a new token into low-zone slot (B, Hk, 1) (logical index)."""
+        self.lo.write_slot(slot - self.split, keys, values)
+
+    def promote(self, victim: mx.array, positions: mx.array) -> mx.array:
+        """Make room in the low zone for a new token; returns its slot.
+
+        A victim in the low zone frees its own slot. A victim in the high zone
+        takes the oldest low-zone token (widened), whose slot is returned.
+        Shapes: victim (B, Hk, 1) logical slots; positions (B, Hk, n).
+        """
+        A, victim = self.split, victim.astype(mx.int32)
+        oldest = mx.argmin(positions[..., A:], axis=-1, keepdims=True).astype(mx.int32)
+        in_hi = victim < A  # (B, Hk, 1)
+        keys, values = self.lo.take(oldest, self.lo.capacity)
+        self.hi.put(
+            mx.where(in_hi, victim, A),
+            convert(keys, self.lo.bits, self.hi.bits),
+            convert(values, self.lo.bits, self.hi.bits),
+        )
+        return mx.where(in_hi, oldest + A, victim)
+
+    def gather(self, slots: mx.array, n: int):
+        A, k = self.split, slots.shape[-1]
+        hi_keys, hi_values = self._collect(slots[..., :A], n, self.hi.bits)
+        lo_part = None
+        if k > A:
+            lo_part = self._collect(slots[..., A:], n, self.lo.bits)
+            hi_keys, hi_values = self._with_scratch(hi_keys, hi_values)
+        self.hi.keys, self.hi.values = hi_keys, hi_values
+        self.lo.keys, self.lo.values = lo_part or (None, None)
+        self._cap = k
+
+    def _collect(self, slots, n, bits):
+        """Triples of logical ``slots`` from both zones, expressed at ``bits``."""
+        A, slots = self.split, slots.astype(mx.int32)  # argsort/argmin give uint32
+        from_hi = slots < A
+        hk, hv = self.hi.take(mx.minimum(slots, A - 1), min(n, A))
+        hk, hv = convert(hk, self.hi.bits, bits), convert(hv, self.hi.bits, bits)
+        if n <= A:
+            return hk, hv
+        lk, lv = self.lo.take(mx.maximum(slots - A, 0), n - A)
+        lk, lv = convert(lk, self.lo.bits, bits), convert(lv, self.lo.bits, bits)
+        cond = from_hi[..., None]
+        return _select(cond, hk, lk), _select(cond, hv, lv)
+
+    @staticmethod
+    def _with_scratch(keys, values):
+        def pad(a):
+            return mx.concatenate([a, mx.zeros_like(a[..., :1, :])], axis=2)
+
+        return tuple(map(pad, keys)), tuple(map(pad, values))
+
+    def fetch(self, n: int):
+        A = self.split
+        hk, hv = self.hi.fetch(min(n, A))
+        if n <= A:
+            return (hk,), (hv,)
+        lk, lv = self.lo.fetch(n - A)
+        return (hk, lk), (hv, lv)
+
+    def attention(self, queries, keys, values, *, scale, mask, sinks):
+        bits = (self.hi.bits, self.lo.bits)[: len(keys)]
+        return quantized_attention(
+            queries,
+            keys,
+            values,
+            scale=scale,
+            bits=bits,
+            group_size=self.hi.group_size,
+            mask=mask,
+            sinks=sinks,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self.hi.nbytes + self.lo.nbytes
+
+    def state(self, n: int) -> list[mx.array]:
+        keys, values = self.fetch(n)
+        return [a for k, v in zip(keys, values) for a in (*k, *v)]
+
+    def set_state(self, arrays):
+        arrays = list(arrays)
+        self.hi.set_state(arrays[:6])
+        n = arrays[0].shape[2]
+        if len(arrays) > 6:
+            self.lo.set_state(arrays[6:12])
+            n += arrays[6].shape[2]
+            self.hi.keys, self.hi.values = self._with_scratch(
+                self.hi.keys, self.hi.values
+            )
+        self._cap = n

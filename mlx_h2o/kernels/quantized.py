@@ -1,0 +1,94 @@
+"""Attention with scores over quantized K/V: one entry point, paths behind it.
+
+- GPU decode (L <= 8, CUDA or Metal): the fused kernel of
+  ``quantized_gpu``, which reads the packed words and dequantizes in registers.
+- CPU, one segment: ``mx.quantized_matmul`` (never materialises the cache).
+- otherwise (prefill on GPU, mixed segments on CPU): the reference,
+  dequantize then the dense reference kernel.
+All paths return the reference's numbers (out, logits float32, lse float32).
+"""
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from .quantized_reference import (
+    Mask,
+    Triple,
+    as_segments,
+    quantized_matmul_attention_with_scores,
+    quantized_scaled_dot_product_attention_with_scores,
+)
+
+MAX_DECODE_L = 8
+
+
+def _gpu_kernel():
+    try:
+        from .quantized_gpu import fused_quantized_attention
+    except ImportError:  # the shared GPU kernel body is not in this build
+        return None
+    return fused_quantized_attention
+
+
+def quantized_attention(
+    queries: mx.array,
+    keys: Triple | Sequence[Triple],
+    values: Triple | Sequence[Triple],
+    *,
+    scale: float,
+    bits: int | Sequence[int] = 8,
+    group_size: int = 64,
+    mask: Mask = None,
+    sinks: mx.array | None = None,
+    use_kernel: bool | None = None,
+):
+    """Quantized attention with scores; ``use_kernel`` forces (True) or skips
+    (False) the fused GPU kernel, None picks it for GPU decode.
+
+    Shapes and returns as ``quantized_scaled_dot_product_attention_with_scores``.
+    """
+    keys, kbits = as_segments(keys, bits)
+    values, _ = as_segments(values, bits)
+    on_gpu = mx.default_device() == mx.gpu
+    if use_kernel is None:
+        use_kernel = on_gpu and queries.shape[2] <= MAX_DECODE_L
+    if use_kernel:
+        kernel = _gpu_kernel()
+        if kernel is None:
+            raise RuntimeError(
+                "the fused quantized kernel needs a CUDA or Metal backend"
+            )
+        out = kernel(
+            queries,
+            keys,
+            values,
+            scale=scale,
+            bits=kbits,
+            group_size=group_size,
+            mask=mask,
+            sinks=sinks,
+        )
+        if out is not None:  # None: a shape the kernel does not cover
+            return out
+    if len(keys) == 1 and not on_gpu:
+        return quantized_matmul_attention_with_scores(
+            queries,
+            keys[0],
+            values[0],
+            scale=scale,
+            bits=kbits[0],
+            group_size=group_size,
+            mask=mask,
+            sinks=sinks,
+        )
+    return quantized_scaled_dot_product_attention_with_scores(
+        queries,
+        keys,
+        values,
+        scale=scale,
+        bits=kbits,
+        group_size=group_size,
+        mask=mask,
+        sinks=sinks,
+    )
