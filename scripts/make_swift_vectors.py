@@ -26,7 +26,8 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_h2o import policy
-from mlx_h2o.cache import H2OKVCache
+from mlx_h2o.cache import H2OKVCache, QuantConfig, QuantizedH2OKVCache
+from mlx_h2o.cache.quantized_storage import QuantizedKV
 from mlx_h2o.cache.storage import DenseKV
 from mlx_h2o.config import H2OConfig, config_from_dict, config_to_dict
 from mlx_h2o.kernels.reference import grouped_mask
@@ -34,7 +35,7 @@ from mlx_h2o.kernels.reference import grouped_mask
 FORMAT = "mlx-h2o-swift-vectors/1"
 OUT = os.path.join(os.path.dirname(__file__), "..", "swift", "Tests", "Vectors")
 MARGIN = 1e-4
-D = 2  # head dim of the dummy keys/values; the scripted logits ignore them
+D = 32  # head dim of the dummy keys/values (one quantization group); logits ignore them
 
 
 def f32(x) -> float:
@@ -46,15 +47,16 @@ def f32_list(a) -> list:
     return [None if np.isneginf(x) else f32(x) for x in np.asarray(a).reshape(-1)]
 
 
-class ScriptedKV(DenseKV):
-    """Dense storage whose attention returns ``next_logits`` (masked) and their lse."""
+class ScriptedAttention:
+    """Storage mixin whose attention returns ``next_logits`` (masked) and their lse."""
 
     next_logits: Optional[np.ndarray] = None  # (B, n_heads, L, N) float32, unmasked
     last: Optional[Tuple[np.ndarray, np.ndarray]] = None  # masked logits, lse
 
     def attention(self, queries, keys, values, *, scale, mask, sinks):
         B, Hq, L, _ = queries.shape
-        Hk, N = keys.shape[1], keys.shape[2]
+        packed = keys[0] if isinstance(keys, tuple) else keys  # quantized: a triple
+        Hk, N = packed.shape[1], packed.shape[2]
         raw = self.next_logits
         assert raw is not None and raw.shape == (B, Hq, L, N), (raw.shape, queries.shape)
         m = grouped_mask(mask, B, Hq, Hk, L, N)
@@ -65,12 +67,31 @@ class ScriptedKV(DenseKV):
         top = wide.max(axis=-1, keepdims=True)
         lse = (np.log(np.exp(wide - top).sum(axis=-1)) + top[..., 0]).astype(np.float32)
         self.last, self.next_logits = (raw, lse), None
-        out = mx.zeros((B, Hq, L, values.shape[3]), values.dtype)
+        out = mx.zeros(queries.shape, queries.dtype)  # unused: only the scores matter
         return out, mx.array(raw), mx.array(lse)
+
+
+class ScriptedKV(ScriptedAttention, DenseKV):
+    pass
+
+
+class ScriptedQuantizedKV(ScriptedAttention, QuantizedKV):
+    pass
 
 
 class ScriptedH2OKVCache(H2OKVCache):
     storage_cls = ScriptedKV
+
+
+class ScriptedQuantizedH2OKVCache(QuantizedH2OKVCache):
+    def _make_storage(self):
+        return ScriptedQuantizedKV(self.quant.bits, self.quant.group_size)
+
+
+def make_cache(s: "Stream"):
+    if s.quant is None:
+        return ScriptedH2OKVCache(s.config, window_size=s.window_size)
+    return ScriptedQuantizedH2OKVCache(s.config, s.window_size, QuantConfig(**s.quant))
 
 
 @dataclass
@@ -84,6 +105,7 @@ class Stream:
     window_size: Optional[int] = None
     seed: int = 0
     constant: Optional[float] = None  # every logit equal: exact ties by design
+    quant: Optional[dict] = None  # QuantConfig fields: a QuantizedH2OKVCache
     replay: Optional[list] = None  # recorded steps to feed back instead of random logits
 
     @property
@@ -98,7 +120,8 @@ class Stream:
         )
         return cls(
             doc["name"], config_from_dict(doc["config"]), schedule, doc["batch_size"],
-            doc["n_heads"], doc["n_kv_heads"], doc["window_size"], replay=doc["steps"],
+            doc["n_heads"], doc["n_kv_heads"], doc["window_size"], quant=doc["quant"],
+            replay=doc["steps"],
         )
 
     def logits(self, rng, step: int, shape) -> np.ndarray:
@@ -154,7 +177,7 @@ def run_update(cache, s: Stream, rng, L, i, where):
     mask = cache.make_mask(L)
     zeros = mx.zeros((B, Hk, L, D))
     keys, values = cache.update_and_fetch(zeros, zeros)
-    N = keys.shape[2]
+    N = cache.size()
     cache.kv.next_logits = s.logits(rng, i, (B, Hq, L, N))
     victims = evicted_positions = None
     if victim_step:
@@ -189,7 +212,7 @@ def run_update(cache, s: Stream, rng, L, i, where):
 
 def run_stream(s: Stream) -> dict:
     rng = np.random.default_rng(s.seed)
-    cache = ScriptedH2OKVCache(s.config, window_size=s.window_size)
+    cache = make_cache(s)
     steps = []
     for i, item in enumerate(s.schedule):
         where = f"{s.name} step {i}"
@@ -203,6 +226,7 @@ def run_stream(s: Stream) -> dict:
         "name": s.name,
         "config": config_to_dict(s.config),
         "window_size": s.window_size,
+        "quant": s.quant,
         "batch_size": s.batch,
         "n_heads": s.n_heads,
         "n_kv_heads": s.n_kv_heads,
@@ -241,6 +265,17 @@ def streams():
             (4, *decode(8), 3, *decode(3)), n_heads=2, constant=1.0,
         ),
         Stream(
+            "attention_ema_prefill_window",
+            C(max_size=8, sink_size=1, recent_budget=3, score="attention_ema",
+              prefill_window=3, step=4),
+            (12, *decode(6), 5, *decode(3)), batch=2, n_heads=4, n_kv_heads=2, seed=7,
+        ),
+        Stream(
+            "quantized_8bit_gqa", C(max_size=8, sink_size=1, recent_budget=3, step=4),
+            (9, *decode(6), 4, ("trim", 2), *decode(3)), n_heads=4, n_kv_heads=2,
+            quant=dict(bits=8, group_size=32), seed=6,
+        ),
+        Stream(
             "trim_before_eviction", C(max_size=8, sink_size=1, recent_budget=3, step=4),
             (5, ("trim", 3), 2, ("trim", 10), 6, *decode(5), ("trim", 9), *decode(2)),
             n_heads=2, seed=5,
@@ -255,9 +290,12 @@ CONFIG_CASES = [
     dict(max_size=8, recent_budget=2),
     dict(max_size=8, sink_size=0, heavy_budget=0),
     dict(max_size=8, pinned=[[6, 7], [1, 3]], score="normalized"),
+    dict(max_size=12, sink_size=1, recent_budget=3, pinned=[[6, 7], [1, 3]], ema_alpha=0.5),
     dict(max_size=0),
     dict(max_size=8, sink_size=-1),
     dict(max_size=8, step=0),
+    dict(max_size=8, prefill_window=-1),
+    dict(max_size=8, prefill_window=16, score="attention_ema"),
     dict(max_size=4, sink_size=4),
     dict(max_size=8, heavy_budget=-1),
     dict(max_size=8, heavy_budget=2, recent_budget=2),
@@ -277,7 +315,9 @@ def config_cases() -> dict:
     for kw in CONFIG_CASES:
         args = dict(kw, pinned=tuple(tuple(r) for r in kw.get("pinned", ())))
         try:
-            expect = {"config": config_to_dict(H2OConfig(**args))}
+            d = config_to_dict(H2OConfig(**args))
+            # "json": the text H2OKVCache.meta_state carries (Swift writes the same).
+            expect = {"config": d, "json": json.dumps(d)}
         except ValueError as e:
             expect = {"error": str(e)}
         cases.append({"input": kw, **expect})

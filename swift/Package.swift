@@ -1,16 +1,24 @@
 // swift-tools-version: 5.9
-// mlx-h2o for Swift: H2OCore (pure Swift, builds and tests anywhere) and MLXH2O
-// (mlx-swift + mlx-swift-lm; Apple platforms). MLXH2O is part of the package only
-// when asked for, so `swift build` / `swift test` on Linux build H2OCore alone:
-//   MLXH2O_MLX_SWIFT_LM=/path/to/mlx-swift-lm  a (patched) local checkout, or
-//   MLXH2O_WITH_MLX=1                          the pinned remote release.
+// mlx-h2o for Swift: H2OCore (pure Swift; builds and tests anywhere) and MLXH2O
+// (mlx-swift + mlx-swift-lm; Apple platforms). MLXH2O joins the package only when
+// asked for, so `swift build` / `swift test` on Linux build H2OCore alone:
+//   MLXH2O_MLX_SWIFT_LM=/path/to/mlx-swift-lm  a local checkout (patched with
+//                                              scripts/apply-patches.sh for routing)
+//   MLXH2O_WITH_MLX=1                          the pinned remote release (no routing)
 // See docs/SWIFT.md.
 
+import Foundation
 import PackageDescription
 
 let environment = Context.environment
 let localLM = environment["MLXH2O_MLX_SWIFT_LM"].flatMap { $0.isEmpty ? nil : $0 }
 let withMLX = localLM != nil || environment["MLXH2O_WITH_MLX"] == "1"
+// patches/0001 adds this file; with it, H2OKVCache conforms to KVCacheAttentionProtocol.
+let routed = localLM.map {
+    FileManager.default.fileExists(atPath: "\($0)/Libraries/MLXLMCommon/KVCacheAttention.swift")
+} ?? false
+// SwiftPM names a local package after its folder.
+let lmPackage = localLM.map { URL(fileURLWithPath: $0).lastPathComponent } ?? "mlx-swift-lm"
 
 let package = Package(
     name: "mlx-h2o",
@@ -26,8 +34,6 @@ let package = Package(
 )
 
 if withMLX {
-    // mlx-swift-lm 3.31.3 pairs with mlx-swift 0.31.3; the routing patch in
-    // patches/ is written against AttentionUtils.swift of the commit named there.
     package.dependencies += [
         localLM.map { .package(path: $0) }
             ?? .package(url: "https://github.com/ml-explore/mlx-swift-lm", exact: "3.31.3"),
@@ -40,8 +46,7 @@ if withMLX {
             dependencies: [
                 "H2OCore",
                 .product(name: "MLX", package: "mlx-swift"),
-                .product(name: "MLXLMCommon", package: "mlx-swift-lm"),
+                .product(name: "MLXLMCommon", package: lmPackage),
             ],
-            // A patched checkout has KVCacheAttentionProtocol (patches/0001).
-            swiftSettings: localLM != nil ? [.define("MLXH2O_ROUTED")] : []))
+            swiftSettings: routed ? [.define("MLXH2O_ROUTED")] : []))
 }

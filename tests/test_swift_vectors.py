@@ -14,6 +14,8 @@ import os
 import mlx.core as mx
 import pytest
 
+from mlx_h2o.config import SCORE_MODES
+
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 VECTORS = os.path.join(ROOT, "swift", "Tests", "Vectors")
 
@@ -66,14 +68,17 @@ def test_python_cache_replays_vectors(name):
 
 
 def test_streams_cover_the_issue():
-    """Prefill overflow, GQA, B=2, a window layer, trims, decode evictions, ties."""
+    """Prefill overflow, GQA, B=2, a window layer, trims, decode evictions, ties,
+    the three score modes, pinned ranges and a quantized cache."""
     docs = [json.loads(_read(f)) for f in STREAMS]
     steps = [st for d in docs for st in d["steps"]]
     assert any(d["n_heads"] > d["n_kv_heads"] for d in docs)
     assert any(d["batch_size"] == 2 for d in docs)
     assert any(d["window_size"] is not None for d in docs)
-    assert {d["config"]["score"] for d in docs} == {"ema", "accumulated", "normalized"}
+    assert {d["config"]["score"] for d in docs} == set(SCORE_MODES)
+    assert any(d["config"]["prefill_window"] for d in docs)
     assert any(d["config"]["pinned"] for d in docs)
+    assert any(d["quant"] for d in docs)  # QuantizedH2OKVCache keeps the same slots
     assert any(st["op"] == "trim" and st["expect"]["evicted"] for st in steps)
     assert any(st["op"] == "trim" and not st["expect"]["evicted"] for st in steps)
     assert any(st["expect"].get("victims") for st in steps)

@@ -9,6 +9,9 @@ public enum ScoreMode: String, Sendable, CaseIterable, Codable {
     case accumulated
     /// Accumulated attention divided by the number of queries that could see the key.
     case normalized
+    /// EMA of softmax attention (`ema` with the probability in place of |logit|:
+    /// a large negative logit is no reason to keep a key).
+    case attentionEma = "attention_ema"
 
     /// Parses a mode name, with the Python package's error for an unknown one.
     public init(name: String) throws {
@@ -47,15 +50,19 @@ public struct H2OConfig: Equatable, Sendable {
     public let pinned: [Range<Int>]
     /// Slots the storage grows by, up to `maxSize`.
     public let step: Int
+    /// > 0: a chunk of L > 1 tokens (a prompt) is scored by its last
+    /// `prefillWindow` queries only (SnapKV, Li et al. 2024).
+    public let prefillWindow: Int
 
     public init(
         maxSize: Int, sinkSize: Int = 4, heavyBudget: Int? = nil, recentBudget: Int? = nil,
         score: ScoreMode = .ema, emaAlpha: Double = 0.95, pinned: [Range<Int>] = [],
-        step: Int = 256
+        step: Int = 256, prefillWindow: Int = 0
     ) throws {
         try checkInt("max_size", maxSize, 1)
         try checkInt("sink_size", sinkSize, 0)
         try checkInt("step", step, 1)
+        try checkInt("prefill_window", prefillWindow, 0)
         let (heavy, recent) = try split(maxSize, sinkSize, heavyBudget, recentBudget)
         guard emaAlpha > 0, emaAlpha < 1 else {
             throw H2OConfigError("ema_alpha must be in (0, 1), got \(emaAlpha)")
@@ -68,6 +75,7 @@ public struct H2OConfig: Equatable, Sendable {
         self.emaAlpha = emaAlpha
         self.pinned = try checkPinned(pinned, heavy: heavy)
         self.step = step
+        self.prefillWindow = prefillWindow
     }
 
     /// Number of pinned positions.

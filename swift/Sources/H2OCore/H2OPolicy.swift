@@ -17,21 +17,22 @@ public enum H2OPolicy {
     /// Shapes: `score`, `count` (N) for this row; `scores.logits` (B, n_heads, L, N).
     /// The query heads of the KV head's group are averaged; `count` gains the
     /// number of queries that could see each key (visibility from the group's
-    /// first head: masks are shared within a GQA group). Float32 arithmetic in
-    /// the order of the MLX ops (mean over heads as sum times 1/G, then sum
-    /// over queries).
+    /// first head: masks are shared within a GQA group). `window` > 0 folds only
+    /// the last `window` queries. Float32 arithmetic in the order of the MLX ops
+    /// (mean over heads as sum times 1/G, then sum over queries).
     public static func foldScores(
         mode: ScoreMode, score: inout [Float], count: inout [Float], scores s: AttentionScores,
-        batch b: Int, kvHead h: Int, kvHeads: Int, alpha: Double
+        batch b: Int, kvHead h: Int, kvHeads: Int, alpha: Double, window: Int = 0
     ) {
         let G = s.heads / kvHeads
         let invG = Float(1.0 / Double(G))
         let a = Float(alpha)
         let oneMinusA = Float(1.0 - alpha)
+        let queries = (0 < window && window < s.queries) ? (s.queries - window) ..< s.queries : 0 ..< s.queries
         for j in 0 ..< s.keys {
             var seen: Float = 0
             var total: Float = 0
-            for l in 0 ..< s.queries {
+            for l in queries {
                 let visible = s.logit(b, h * G, l, j) > -Float.infinity
                 if visible { seen += 1 }
                 var group: Float = 0
@@ -39,13 +40,14 @@ public enum H2OPolicy {
                     let x = s.logit(b, g, l, j)
                     switch mode {
                     case .ema: group += visible ? Swift.abs(x) : 0
-                    case .accumulated, .normalized: group += Foundation.exp(x - s.logSumExp(b, g, l))
+                    case .accumulated, .normalized, .attentionEma:
+                        group += Foundation.exp(x - s.logSumExp(b, g, l))
                     }
                 }
                 total += group * invG
             }
             switch mode {
-            case .ema:
+            case .ema, .attentionEma:
                 let step = total / Swift.max(seen, 1)
                 let ema = count[j] > 0 ? a * score[j] + oneMinusA * step : step
                 if seen > 0 { score[j] = ema }

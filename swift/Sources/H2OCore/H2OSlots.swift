@@ -77,7 +77,8 @@ public struct H2OSlots: Sendable {
                 let r = b * kvHeads + h
                 H2OPolicy.foldScores(
                     mode: config.score, score: &score[r], count: &count[r], scores: scores,
-                    batch: b, kvHead: h, kvHeads: kvHeads, alpha: config.emaAlpha)
+                    batch: b, kvHead: h, kvHeads: kvHeads, alpha: config.emaAlpha,
+                    window: config.prefillWindow)
             }
         }
         let offset = ledger.offset

@@ -22,6 +22,13 @@ struct PolicyTests {
         #expect(H2OPolicy.orderKey(priority: 2, position: 1_000_000) < H2OPolicy.orderKey(priority: 2.0000002, position: 0))
     }
 
+    @Test("the xor-free order map of the MLX twin equals bits ^ 0x7FFFFFFF")
+    func xorFree() {
+        for bits: Int32 in [-1, -2, Int32.min, Int32.min + 1, -8_388_608, -1_082_130_432] {
+            #expect(Int64(bits ^ 0x7FFF_FFFF) == -Int64(bits) - 2_147_483_649)
+        }
+    }
+
     @Test("victim: lowest score, ties evict the older position, protected never")
     func victim() {
         let pri: [Float] = [.infinity, 0.5, 0.25, 0.25, .infinity]
