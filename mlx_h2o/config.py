@@ -3,7 +3,7 @@
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
-SCORE_MODES = ("ema", "accumulated", "normalized")
+SCORE_MODES = ("ema", "accumulated", "normalized", "attention_ema")
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,13 @@ class H2OConfig:
         H2O, Zhang et al. 2023).
       - ``"normalized"``: accumulated attention divided by the number of
         queries that could see the key (removes the age bias of the sum).
+      - ``"attention_ema"``: EMA of softmax attention (``ema`` with the
+        probability in place of |logit|: a large negative logit is no reason
+        to keep a key).
+
+    ``prefill_window`` > 0 scores a chunk of L > 1 tokens (a prompt) with its
+    last ``prefill_window`` queries only (SnapKV, Li et al. 2024): the end of a
+    prompt (a question) tells which of its tokens will be needed.
 
     ``pinned`` holds half-open position ranges ``(start, end)`` that are never
     evicted; they use heavy-hitter slots.
@@ -37,11 +44,13 @@ class H2OConfig:
     ema_alpha: float = 0.95
     pinned: Tuple[Tuple[int, int], ...] = field(default_factory=tuple)
     step: int = 256
+    prefill_window: int = 0
 
     def __post_init__(self):
         _check_int("max_size", self.max_size, 1)
         _check_int("sink_size", self.sink_size, 0)
         _check_int("step", self.step, 1)
+        _check_int("prefill_window", self.prefill_window, 0)
         heavy, recent = _split(
             self.max_size, self.sink_size, self.heavy_budget, self.recent_budget
         )

@@ -20,22 +20,29 @@ def fold_scores(
     logits: mx.array,
     lse: mx.array,
     alpha: float = 0.95,
+    window: int = 0,
 ) -> Tuple[mx.array, mx.array]:
     """Fold one attention call into the running scores.
 
     Shapes: score, count (B, n_kv_heads, N) float32; logits (B, n_heads, L, N)
     with masked entries -inf; lse (B, n_heads, L). ``count`` is the number of
     queries that could see each key (visibility taken from the group's first
-    head: masks are shared within a GQA group).
+    head: masks are shared within a GQA group). ``window`` > 0 folds only the
+    last ``window`` queries of the call.
     """
+    if 0 < window < logits.shape[2]:
+        logits, lse = logits[:, :, -window:], lse[:, :, -window:]
     B, Hq, L, N = logits.shape
     Hk = score.shape[1]
     lg = logits.reshape(B, Hk, Hq // Hk, L, N)
     visible = lg[:, :, 0] > -mx.inf  # (B, Hk, L, N)
     seen = visible.astype(mx.float32).sum(axis=2)  # (B, Hk, N)
-    if mode == "ema":
-        mag = mx.where(visible[:, :, None], mx.abs(lg), 0.0).mean(axis=2).sum(axis=2)
-        step = mag / mx.maximum(seen, 1.0)
+    if mode in ("ema", "attention_ema"):
+        if mode == "ema":
+            mag = mx.where(visible[:, :, None], mx.abs(lg), 0.0)
+        else:
+            mag = mx.exp(lg - lse.reshape(B, Hk, Hq // Hk, L, 1))
+        step = mag.mean(axis=2).sum(axis=2) / mx.maximum(seen, 1.0)
         ema = mx.where(count > 0, alpha * score + (1.0 - alpha) * step, step)
         score = mx.where(seen > 0, ema, score)
     elif mode in ("accumulated", "normalized"):

@@ -75,7 +75,7 @@ class H2OKVCache:
         n, cfg = self._n, self.config
         score, count = policy.fold_scores(
             cfg.score, self.score[..., :n], self.count[..., :n], logits, lse,
-            cfg.ema_alpha,
+            cfg.ema_alpha, cfg.prefill_window,
         )
         self.score[..., :n] = score
         self.count[..., :n] = count
