@@ -123,7 +123,7 @@ open class H2OKVCache: KVCache {
             let slot = expandedDimensions(victim, axis: -1)  // (B, Hk, 1)
             storage.write(slot: slot, keys: keys, values: values)
             let zero = MLXArray.zeros(slot.shape, dtype: .float32)
-            positions = putSlot(positions!, slot, MLXArray.zeros(slot.shape, dtype: .int32) + Int32(start))
+            positions = putSlot(positions!, slot, broadcast(MLXArray(Int32(start)), to: slot.shape))
             score = putSlot(score!, slot, zero)
             count = putSlot(count!, slot, zero)
         }

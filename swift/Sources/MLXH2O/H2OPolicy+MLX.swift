@@ -79,9 +79,11 @@ extension H2OPolicy {
     public static func orderKeys(priorities: MLXArray, positions: MLXArray) -> MLXArray {
         let bits = view(priorities.asType(.float32) + Float(0), dtype: .int32)  // + 0 folds -0
         let b = bits.asType(.int64)
+        // Int64 constants as arrays: an Int scalar would go through Int32.
+        let (zero, flip, high) = (MLXArray(Int64(0)), MLXArray(Int64(2_147_483_649)), MLXArray(Int64(1) << 32))
         // For negative b, -b - 2^31 - 1 == b ^ 0x7FFFFFFF (sign kept, magnitude bits flipped).
-        let ordered = which(b .>= Int64(0), b, -b - Int64(2_147_483_649))
-        return ordered * Int64(1 << 32) + positions.asType(.int64)
+        let ordered = which(b .>= zero, b, -b - flip)
+        return ordered * high + positions.asType(.int64)
     }
 
     /// (B, n_kv_heads) slot of the lowest (priority, position).
