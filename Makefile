@@ -35,6 +35,16 @@ demo: install
 test: install
 	$(PRELOAD) $(PY) -m pytest $(PYTEST_ARGS)
 
+# Evaluation (eval/README.md): paper-protocol perplexity and interleaved speed runs.
+PPL_ARGS ?= --model smollm2-135m --corpus austen -n 10 --seq-len 512 --max-kv 256
+BENCH_ARGS ?= --model smollm2-135m -p 512 -g 128 --max-kv 256 -n 3
+
+ppl: install
+	nice -n 5 $(PY) -m mlx_h2o ppl $(PPL_ARGS)
+
+bench: install
+	$(PY) -m mlx_h2o bench $(BENCH_ARGS)
+
 wheel: install
 	$(PY) -m pip wheel -q --no-deps -w dist .
 
