@@ -41,6 +41,7 @@ except ImportError:  # not on POSIX: no inter-process lock
 CONVERTER_VERSION = 1
 MARKER_FILE = "mlx_h2o_model.json"
 CACHE_ENV = "MLX_H2O_CACHE"
+_MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -72,6 +73,8 @@ def is_prepared(path: Path, spec: PackagedModel) -> bool:
     try:
         marker = json.loads((path / MARKER_FILE).read_text())
     except (OSError, ValueError):
+        return False
+    if not all((path / f).is_file() for f in _MODEL_FILES):
         return False
     expected = _marker(spec, marker.get("gguf_sha256", ""))
     return all(marker.get(k) == v for k, v in expected.items())
