@@ -10,7 +10,7 @@ import sys
 from typing import List, Optional
 
 import mlx.core as mx
-from mlx_lm import generate as mlx_generate
+from mlx_lm.generate import setup_arg_parser as mlx_lm_arg_parser
 from mlx_lm.sample_utils import make_sampler
 
 from ..cache import load_prompt_cache
@@ -38,7 +38,7 @@ def add_h2o_args(parser: argparse.ArgumentParser) -> None:
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    parser = mlx_generate.setup_arg_parser()
+    parser = mlx_lm_arg_parser()
     parser.prog = "mlx-h2o generate"
     parser.description = __doc__.splitlines()[0]
     parser.set_defaults(verbose=True)
