@@ -26,8 +26,8 @@ def test_smollm2_matches_kvcache_within_budget(smollm2):
     model, tokens = smollm2
     ref = run(model, make_prompt_cache(model), tokens, 128, chunk=48)
     out = run(model, make_h2o_cache(model, H2OConfig(max_size=256)), tokens, 128, chunk=48)
-    # float32 logits of a 30-layer model; the two SDPA paths differ only in rounding.
-    np.testing.assert_allclose(np.array(out), np.array(ref), atol=2e-3, rtol=1e-3)
+    # float32 through 30 layers; the SDPA paths differ only in rounding (measured 6.6e-5).
+    np.testing.assert_allclose(np.array(out), np.array(ref), atol=5e-4, rtol=1e-4)
     assert mx.array_equal(out.argmax(-1), ref.argmax(-1))
 
 
@@ -39,6 +39,6 @@ def test_smollm2_evicting_stays_bounded_and_close(smollm2):
     out = run(model, cache, tokens, 128, chunk=48)
     stats = cache_stats(cache)
     assert (stats.tokens_seen, stats.tokens_kept) == (160, 96)
-    # Eviction changes the numbers but keeps most greedy predictions.
+    # Eviction changes the numbers but keeps most greedy predictions (measured 0.97).
     agree = (out.argmax(-1) == ref.argmax(-1)).astype(mx.float32).mean().item()
     assert agree > 0.8, agree
