@@ -1,5 +1,58 @@
-"""Attention kernels that export their scores (imports mlx only, never mlx_lm)."""
+"""Attention kernels that export their scores (imports mlx only, never mlx_lm).
 
-from .reference import causal_mask, scaled_dot_product_attention_with_scores
+``scaled_dot_product_attention_with_scores`` runs the CUDA / Metal decode
+kernels (Lq <= 8) when the backend and shapes allow, else the reference in
+plain mx ops. ``h2o_decode_step`` is the fused H2O decode step (GPU only;
+check ``h2o_step_supported`` first).
+"""
 
-__all__ = ["causal_mask", "scaled_dot_product_attention_with_scores"]
+from typing import Optional, Tuple
+
+import mlx.core as mx
+
+from . import reference
+from .build import gpu_backend
+from .decode import decode_attention, supported
+from .h2o_step import H2OStep, h2o_decode_step, h2o_step_supported
+from .reference import Mask, causal_mask
+
+
+def scaled_dot_product_attention_with_scores(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    *,
+    scale: float,
+    mask: Mask = None,
+    sinks: Optional[mx.array] = None,
+    use_kernel: Optional[bool] = None,
+) -> Tuple[mx.array, mx.array, mx.array]:
+    """Attention that also returns the logits it used and their log-sum-exp.
+
+    Same contract as ``reference.scaled_dot_product_attention_with_scores``.
+    ``use_kernel``: None picks the GPU kernel when it supports the inputs,
+    True requires it (ValueError otherwise), False forces the reference.
+    """
+    ok = supported(queries, keys, values, mask, sinks)
+    if use_kernel and not ok:
+        raise ValueError(
+            f"no GPU kernel for these inputs (backend={gpu_backend()}, "
+            f"queries {queries.shape} {queries.dtype}, keys {keys.shape} {keys.dtype})"
+        )
+    if ok if use_kernel is None else use_kernel:
+        return decode_attention(
+            queries, keys, values, scale=scale, mask=mask, sinks=sinks
+        )
+    return reference.scaled_dot_product_attention_with_scores(
+        queries, keys, values, scale=scale, mask=mask, sinks=sinks
+    )
+
+
+__all__ = [
+    "H2OStep",
+    "causal_mask",
+    "gpu_backend",
+    "h2o_decode_step",
+    "h2o_step_supported",
+    "scaled_dot_product_attention_with_scores",
+]

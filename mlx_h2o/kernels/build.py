@@ -1,0 +1,165 @@
+"""Assemble kernel sources and build the kernel objects once per flag set."""
+
+import hashlib
+from functools import lru_cache
+from string import Template
+from typing import List, Optional, Tuple
+
+import mlx.core as mx
+
+from . import source as src
+
+MASK_KINDS = ("none", "causal", "bool", "add")
+# Index = the kernels' MODE constant; names as in mlx_h2o.config.SCORE_MODES.
+SCORE_MODES = ("ema", "accumulated", "normalized", "attention_ema")
+
+
+def gpu_backend() -> Optional[str]:
+    """'metal', 'cuda' or None (no GPU backend in this MLX build)."""
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return None
+
+
+def _prelude(backend: str) -> Tuple[str, str]:
+    if backend == "cuda":
+        return src.CUDA_HEADER, src.CUDA_IDS
+    if backend == "metal":
+        return src.METAL_HEADER, src.METAL_IDS
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+def _mask_apply(mask: str, fused: bool) -> str:
+    code = {
+        "none": "",
+        "causal": src.MASK_CAUSAL,
+        "bool": src.MASK_BOOL,
+        "add": src.MASK_ADD,
+    }[mask]
+    lines = [code] if code else []
+    if fused:
+        lines.append(src.MASK_WINDOW)
+    return "\n".join(" " * 14 + line for line in lines)
+
+
+def pass1_names(mask: str, sinks: bool, split: bool, fused: bool):
+    """Input and output names of pass 1 for these flags."""
+    inputs = ["q", "k", "v", "prm_f"]
+    inputs += ["mask"] if mask in ("bool", "add") else []
+    inputs += ["sinks"] if (sinks and not split) else []  # pass 2 adds them
+    if fused:
+        inputs += ["pos_in", "slot", "prm_i"]
+        inputs += [] if split else ["score_in", "count_in", "pin"]
+    if split:
+        return inputs, ["logits", "part_o", "part_ml"]
+    outputs = ["out", "logits", "lse"]
+    outputs += ["pos_out", "score_out", "count_out", "victim"] if fused else []
+    return inputs, outputs
+
+
+def pass1_source(backend: str, mask: str, sinks: bool, split: bool, fused: bool):
+    """(header, body) of pass 1."""
+    if mask not in MASK_KINDS:
+        raise ValueError(f"unknown mask kind {mask!r}")
+    header, ids = _prelude(backend)
+    tail = ""
+    if fused and not split:
+        tail = src.FOLD_PASS1_LSE + Template(src.FOLD).substitute(NV="N")
+    body = Template(src.PASS1).substitute(
+        IDS=ids,
+        MASK_SETUP=src.MASK_SETUP if mask in ("bool", "add") else "",
+        FUSED_SETUP=src.FUSED_SETUP if fused else "",
+        FUSED_KPOS=(" " * 10 + src.FUSED_KPOS) if fused else "",
+        MASK_APPLY=_mask_apply(mask, fused),
+        SINK_INIT=src.SINK_INIT_PASS1 if (sinks and not split) else "",
+        WRITE_ROW=src.WRITE_PARTIAL if split else src.WRITE_FINAL,
+        TAIL=tail,
+    )
+    return header, body
+
+
+def pass2_names(sinks: bool, fused: bool):
+    inputs = ["part_o", "part_ml"] + (["sinks"] if sinks else [])
+    outputs = ["out", "lse"]
+    if fused:
+        inputs += ["logits", "pos_in", "score_in", "count_in", "slot", "prm_i"]
+        inputs += ["prm_f", "pin"]
+        outputs += ["pos_out", "score_out", "count_out", "victim"]
+    return inputs, outputs
+
+
+def pass2_source(backend: str, sinks: bool, fused: bool):
+    header, ids = _prelude(backend)
+    body = Template(src.PASS2).substitute(
+        IDS=ids,
+        FUSED_ROWS=f"  constexpr bool FUSED_ROWS = {'true' if fused else 'false'};",
+        SINK_MAX=src.SINK_MAX_PASS2 if sinks else "",
+        SINK_SUM=src.SINK_SUM_PASS2 if sinks else "",
+        TAIL=Template(src.FOLD).substitute(NV="logits_shape[3]") if fused else "",
+    )
+    return header, body
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha1("\0".join(parts).encode()).hexdigest()[:10]
+
+
+def _kernel(backend: str, name: str, names, header: str, body: str):
+    inputs, outputs = names
+    # The source hash is in the name: MLX caches compiled kernels by name.
+    full = f"{name}_{_digest(header, body)}"
+    if backend == "cuda":
+        return mx.fast.cuda_kernel(
+            name=full, input_names=inputs, output_names=outputs, source=body,
+            header=header, ensure_row_contiguous=False,
+        )
+    return mx.fast.metal_kernel(
+        name=full, input_names=inputs, output_names=outputs, source=body,
+        header=header, ensure_row_contiguous=False,
+    )
+
+
+@lru_cache(maxsize=None)
+def _make_pass1_kernel(mask: str, sinks: bool, split: bool, fused: bool):
+    """Pass-1 kernel for these flags, or None without a GPU backend."""
+    backend = gpu_backend()
+    if backend is None:
+        return None
+    header, body = pass1_source(backend, mask, sinks, split, fused)
+    sinks = sinks and not split
+    flags = f"{mask}_{int(sinks)}{int(split)}{int(fused)}"
+    return _kernel(
+        backend, f"h2o_attn1_{flags}", pass1_names(mask, sinks, split, fused),
+        header, body,
+    )
+
+
+@lru_cache(maxsize=None)
+def _make_pass2_kernel(sinks: bool, fused: bool):
+    """Pass-2 (split merge, optional H2O fold) kernel, or None without a GPU."""
+    backend = gpu_backend()
+    if backend is None:
+        return None
+    header, body = pass2_source(backend, sinks, fused)
+    return _kernel(
+        backend, f"h2o_attn2_{int(sinks)}{int(fused)}", pass2_names(sinks, fused),
+        header, body,
+    )
+
+
+def all_sources(backend: str) -> List[Tuple[str, str, str]]:
+    """(label, header, body) of every kernel variant, for compile checks."""
+    out = []
+    for mask in MASK_KINDS:
+        for sinks in (False, True):
+            for split in (False, True):
+                for fused in (False, True):
+                    label = f"pass1 mask={mask} sinks={sinks} split={split} fused={fused}"
+                    out.append((label, *pass1_source(backend, mask, sinks, split, fused)))
+    for sinks in (False, True):
+        for fused in (False, True):
+            out.append((f"pass2 sinks={sinks} fused={fused}", *pass2_source(backend, sinks, fused)))
+    return out

@@ -1,0 +1,160 @@
+"""Launch plans and the GPU decode attention (Lq <= 8) that exports scores."""
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional, Tuple, Union
+
+import mlx.core as mx
+
+from .build import _make_pass1_kernel, _make_pass2_kernel, gpu_backend
+
+NT = 128  # threads per block (source.NT)
+KEYS_PER_LANE_GROUP = 8  # U: keys each lane group loads per tile
+MAX_ROWS = 8  # query rows per block: registers hold R * EPL floats twice
+MAX_SPLITS = 256  # pass 2 keeps one weight per split in shared memory
+TARGET_BLOCKS = 512  # ~4 blocks per SM on a 132-SM H100
+MIN_SPLIT_KEYS = 128
+SINGLE_PASS_MAX_N = 256  # below this one launch beats two (measured: docs/GPU.md)
+DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+
+Mask = Union[None, str, mx.array]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one block maps a (sequence, KV head, row tile) onto threads."""
+
+    R: int  # query rows per block (divides G * L)
+    RT: int  # row tiles per KV head
+    TPK: int  # lanes per key
+    EPL: int  # elements per lane
+    tile: int  # keys per tile
+
+    def template(self, dtype, D, L, G, Hk):
+        return [
+            ("T", dtype), ("D", D), ("R", self.R), ("L", L), ("G", G), ("HK", Hk),
+            ("TPK", self.TPK), ("EPL", self.EPL), ("U", KEYS_PER_LANE_GROUP),
+        ]
+
+
+@lru_cache(maxsize=None)
+def layout(D: int, itemsize: int, G: int, L: int) -> Layout:
+    vec = 16 // itemsize  # elements per 16-byte load
+    lanes = max(1, -(-D // vec))
+    tpk = min(32, 1 << (lanes - 1).bit_length())
+    epl = -(-D // tpk)
+    epl = -(-epl // vec) * vec
+    rows = G * L
+    R = max(r for r in range(1, MAX_ROWS + 1) if rows % r == 0)
+    return Layout(R=R, RT=rows // R, TPK=tpk, EPL=epl, tile=(NT // tpk) * KEYS_PER_LANE_GROUP)
+
+
+def choose_splits(N: int, units: int, tile: int) -> int:
+    """Key splits per (sequence, KV head, row tile): fill the GPU, keep splits long."""
+    if N <= SINGLE_PASS_MAX_N:
+        return 1
+    by_len = -(-N // max(MIN_SPLIT_KEYS, tile))
+    by_fill = -(-TARGET_BLOCKS // units)
+    return max(1, min(by_len, by_fill, MAX_SPLITS))
+
+
+def mask_mode(mask: Mask, B: int, Hq: int, Hk: int, L: int, N: int):
+    """(kind, head mode) of a mask the kernels take, or None if unsupported."""
+    if mask is None:
+        return "none", 0
+    if isinstance(mask, str):
+        return ("causal", 0) if mask == "causal" else None
+    if mask.ndim > 4 or mask.ndim == 0:
+        return None
+    shape = (1,) * (4 - mask.ndim) + tuple(mask.shape)
+    if shape[0] not in (1, B) or shape[2] not in (1, L) or shape[3] not in (1, N):
+        return None
+    heads = {Hq: 1, Hk: 2, 1: 0}.get(shape[1])  # Hq first: equal when G == 1
+    if heads is None:
+        return None
+    if mask.dtype == mx.bool_:
+        return "bool", heads
+    if mask.dtype in DTYPES:
+        return "add", heads
+    return None
+
+
+def supported(q, k, v, mask: Mask = None, sinks=None) -> bool:
+    """Whether the GPU kernels take these inputs (else use the reference)."""
+    if gpu_backend() is None or mx.default_device() != mx.gpu:
+        return False
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        return False
+    B, Hq, L, D = q.shape
+    Hk, N = k.shape[1], k.shape[2]
+    if not (q.dtype == k.dtype == v.dtype and q.dtype in DTYPES):
+        return False
+    if L < 1 or L > 8 or N < 1 or Hk < 1 or Hq % Hk:
+        return False
+    if k.shape[0] != B or tuple(v.shape) != (B, Hk, N, D) or k.shape[3] != D:
+        return False
+    if D % 8 or D > 256:
+        return False
+    if sinks is not None and (sinks.ndim != 1 or sinks.shape[0] != Hq):
+        return False
+    return mask_mode(mask, B, Hq, Hk, L, N) is not None
+
+
+@lru_cache(maxsize=64)
+def params_f(scale: float, alpha: float = 0.95) -> mx.array:
+    # (1 - alpha) rounded once from double, as the policy's mx ops do.
+    return mx.array([scale, alpha, 1.0 - alpha], dtype=mx.float32)
+
+
+def decode_attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    mask: Mask = None,
+    sinks: Optional[mx.array] = None,
+    num_splits: Optional[int] = None,
+    poison: Optional[float] = None,
+) -> Tuple[mx.array, mx.array, mx.array]:
+    """GPU twin of the reference: (out, logits float32, lse float32).
+
+    ``num_splits`` overrides the split count (1: single pass); ``poison``
+    (tests) fills every output, partials included, before the kernels run.
+    """
+    B, Hq, L, D = q.shape
+    Hk, N = k.shape[1], k.shape[2]
+    G = Hq // Hk
+    lay = layout(D, q.dtype.size, G, L)
+    kind, mh = mask_mode(mask, B, Hq, Hk, L, N)
+    units = B * Hk * lay.RT
+    S = num_splits or choose_splits(N, units, lay.tile)
+    S = max(1, min(S, MAX_SPLITS))
+    inputs = [q, k, v, params_f(float(scale))]
+    inputs += [mask] if kind in ("bool", "add") else []
+    inputs += [sinks] if (sinks is not None and S == 1) else []
+    tmpl = lay.template(q.dtype, D, L, G, Hk) + [("MH", mh)]
+    has_sinks = sinks is not None
+    k1 = _make_pass1_kernel(kind, has_sinks, S > 1, False)
+    f32 = mx.float32
+    if S == 1:
+        out, logits, lse = k1(
+            inputs=inputs, template=tmpl, grid=(units * NT, 1, 1),
+            threadgroup=(NT, 1, 1),
+            output_shapes=[(B, Hq, L, D), (B, Hq, L, N), (B, Hq, L)],
+            output_dtypes=[q.dtype, f32, f32], init_value=poison,
+        )
+        return out, logits, lse
+    logits, part_o, part_ml = k1(
+        inputs=inputs, template=tmpl, grid=(units * NT, S, 1), threadgroup=(NT, 1, 1),
+        output_shapes=[(B, Hq, L, N), (units, S, lay.R, D), (units, S, lay.R, 2)],
+        output_dtypes=[f32, f32, f32], init_value=poison,
+    )
+    k2 = _make_pass2_kernel(has_sinks, False)
+    out, lse = k2(
+        inputs=[part_o, part_ml] + ([sinks] if has_sinks else []),
+        template=lay.template(q.dtype, D, L, G, Hk), grid=(units * NT, 1, 1),
+        threadgroup=(NT, 1, 1), output_shapes=[(B, Hq, L, D), (B, Hq, L)],
+        output_dtypes=[q.dtype, f32], init_value=poison,
+    )
+    return out, logits, lse

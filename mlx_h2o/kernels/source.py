@@ -1,0 +1,602 @@
+"""Kernel source text: one body for CUDA and Metal behind a small prelude.
+
+Decode attention (Lq <= 8) that exports logits and lse, as two passes:
+pass 1 gives each block one (sequence, KV head, row tile, key split) and
+reads every K/V row of its split once for all query rows of the GQA group;
+pass 2 merges the splits. With one split, pass 1 writes the result itself.
+The H2O fold (score update + next victim) runs after the merge, in the block
+that sees all keys of a (sequence, KV head): pass 1 with one split, else
+pass 2.
+
+Template constants (set per call): T dtype; D head dim; R rows per block;
+L queries per head; G query heads per KV head; HK KV heads; TPK lanes per
+key; EPL elements per lane; U keys per key group per tile; MH mask head mode
+(0 broadcast, 1 per query head, 2 per KV head); MODE score mode (0 ema,
+1 accumulated, 2 normalized, 3 attention_ema). Blocks have NT = 128 threads.
+"""
+
+NT = 128
+
+# Per-backend preludes: the header part (macros, vector fetch) and the ids
+# part, which must sit in the body so MLX sees the Metal attribute names.
+CUDA_HEADER = r"""
+#define H2O_FN __device__ __forceinline__
+#define H2O_MIN(a, b) min((a), (b))
+typedef long long i64;
+#define H2O_ROW_HQ(r) (hk * G + (rt * R + (r)) / L)
+#define H2O_ROW_L(r) ((rt * R + (r)) % L)
+#define H2O_SHARED __shared__
+#define H2O_THREAD
+#define H2O_BARRIER() __syncthreads()
+#define H2O_BARRIER_DEVICE() __syncthreads()
+#define H2O_SHFL_XOR(x, m) __shfl_xor_sync(0xffffffffu, (x), (m))
+#define H2O_EXP(x) expf(x)
+#define H2O_LOG(x) logf(x)
+#define H2O_FABS(x) fabsf(x)
+#define H2O_FMAX(a, b) fmaxf((a), (b))
+#define H2O_INF __int_as_float(0x7f800000)
+#define H2O_F2I(x) __float_as_int(x)
+#define H2O_ALIGNED16(p) ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0)
+#define H2O_UNROLL _Pragma("unroll")
+
+// E elements of T as raw 16-byte words: loads stay 16 bytes wide.
+template <typename T, int E>
+struct H2ORaw {
+  uint4 w[E * sizeof(T) / 16];
+};
+
+template <int E, typename T>
+H2O_FN void h2o_fetch(const T* p, i64 st, bool vec, H2ORaw<T, E>& r) {
+  if (vec) {
+    H2O_UNROLL
+    for (int c = 0; c < E * (int)sizeof(T) / 16; ++c) {
+      r.w[c] = reinterpret_cast<const uint4*>(p)[c];
+    }
+  } else {
+    T* x = reinterpret_cast<T*>(r.w);
+    H2O_UNROLL
+    for (int i = 0; i < E; ++i) x[i] = p[i * st];
+  }
+}
+
+template <int E, typename T>
+H2O_FN void h2o_zero(H2ORaw<T, E>& r) {
+  H2O_UNROLL
+  for (int c = 0; c < E * (int)sizeof(T) / 16; ++c) r.w[c] = make_uint4(0, 0, 0, 0);
+}
+
+template <int E, typename T>
+H2O_FN void h2o_cvt(const H2ORaw<T, E>& r, float* out) {
+  const T* x = reinterpret_cast<const T*>(r.w);
+  H2O_UNROLL
+  for (int i = 0; i < E; ++i) out[i] = static_cast<float>(x[i]);
+}
+"""
+
+CUDA_IDS = r"""
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int blk_x = blockIdx.x;
+  const int blk_y = blockIdx.y;
+  const int n_blk_y = gridDim.y;
+"""
+
+METAL_HEADER = r"""
+#define H2O_FN inline
+#define H2O_MIN(a, b) metal::min((a), (b))
+typedef long i64;
+#define H2O_ROW_HQ(r) (hk * G + (rt * R + (r)) / L)
+#define H2O_ROW_L(r) ((rt * R + (r)) % L)
+#define H2O_SHARED threadgroup
+#define H2O_THREAD thread
+#define H2O_BARRIER() threadgroup_barrier(metal::mem_flags::mem_threadgroup)
+#define H2O_BARRIER_DEVICE() \
+  threadgroup_barrier(metal::mem_flags::mem_device | metal::mem_flags::mem_threadgroup)
+#define H2O_SHFL_XOR(x, m) metal::simd_shuffle_xor((x), (ushort)(m))
+#define H2O_EXP(x) metal::precise::exp(x)
+#define H2O_LOG(x) metal::precise::log(x)
+#define H2O_FABS(x) metal::fabs(x)
+#define H2O_FMAX(a, b) metal::fmax((a), (b))
+#define H2O_INF INFINITY
+#define H2O_F2I(x) as_type<int>(x)
+#define H2O_ALIGNED16(p) true
+#define H2O_UNROLL _Pragma("clang loop unroll(full)")
+
+template <typename T, int E>
+struct H2ORaw {
+  T w[E];
+};
+
+template <int E, typename T>
+H2O_FN void h2o_fetch(const device T* p, i64 st, bool vec, thread H2ORaw<T, E>& r) {
+  if (vec) {
+    H2O_UNROLL
+    for (int i = 0; i < E; ++i) r.w[i] = p[i];
+  } else {
+    H2O_UNROLL
+    for (int i = 0; i < E; ++i) r.w[i] = p[i * st];
+  }
+}
+
+template <int E, typename T>
+H2O_FN void h2o_zero(thread H2ORaw<T, E>& r) {
+  H2O_UNROLL
+  for (int i = 0; i < E; ++i) r.w[i] = T(0);
+}
+
+template <int E, typename T>
+H2O_FN void h2o_cvt(thread const H2ORaw<T, E>& r, thread float* out) {
+  H2O_UNROLL
+  for (int i = 0; i < E; ++i) out[i] = static_cast<float>(r.w[i]);
+}
+"""
+
+METAL_IDS = r"""
+  const int tid = int(thread_position_in_threadgroup.x);
+  const int lane = int(thread_index_in_simdgroup);
+  const int warp = int(simdgroup_index_in_threadgroup);
+  const int blk_x = int(threadgroup_position_in_grid.x);
+  const int blk_y = int(threadgroup_position_in_grid.y);
+  const int n_blk_y = int(threadgroups_per_grid.y);
+"""
+
+# ---------------------------------------------------------------------------
+# Shared body pieces. $NAME markers are filled by kernels/build.py.
+
+# Per-row logit masking, run by the lane that owns row r of key `key`.
+MASK_CAUSAL = "if (key > N - L + H2O_ROW_L(r)) x = -H2O_INF;"
+MASK_BOOL = "if (!mask[moff[r] + (i64)key * mst3]) x = -H2O_INF;"
+MASK_ADD = "x += static_cast<float>(mask[moff[r] + (i64)key * mst3]);"
+# Fused step: the new token sits in slot w at position Q; a sliding window
+# hides positions <= Q - window.
+MASK_WINDOW = "if (window > 0 && kpos <= Q - window) x = -H2O_INF;"
+
+# Offsets of each row's mask row; dims of size 1 broadcast, shapes right-aligned.
+MASK_SETUP = r"""
+  i64 moff[R];
+  i64 mst3;
+  {
+    const int nd = mask_ndim;
+    i64 st[4];
+    H2O_UNROLL
+    for (int a = 0; a < 4; ++a) {
+      const int i = a - (4 - nd);
+      st[a] = (i < 0 || mask_shape[i] == 1) ? 0 : (i64)mask_strides[i];
+    }
+    mst3 = st[3];
+    H2O_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const int head = MH == 1 ? H2O_ROW_HQ(r) : (MH == 2 ? hk : 0);
+      moff[r] = b * st[0] + head * st[1] + H2O_ROW_L(r) * st[2];
+    }
+  }
+"""
+
+FUSED_SETUP = r"""
+  const int offset = prm_i[0];
+  const int Q = offset - 1;
+  const int window = prm_i[2];
+  const int w = prm_i[1] >= 0
+      ? prm_i[1]
+      : slot[b * slot_strides[0] + hk * slot_strides[1]];
+  const i64 pbase = b * pos_in_strides[0] + hk * pos_in_strides[1];
+  const i64 pst = pos_in_strides[2];
+"""
+
+FUSED_KPOS = "const int kpos = key == w ? Q : pos_in[pbase + key * pst];"
+
+PASS1 = r"""
+$IDS
+  constexpr int NT = 128;
+  constexpr int NW = NT / 32;
+  constexpr int NG = NT / TPK;      // key groups per block
+  constexpr int TILE = NG * U;      // keys per tile
+  constexpr int TPL = TILE / 32;    // tile entries per lane in the softmax step
+  constexpr int RPW = (R + NW - 1) / NW;
+  constexpr int RT = G * L / R;     // row tiles per KV head
+
+  const int grp = tid / TPK;
+  const int li = tid % TPK;
+  const bool lane_on = li * EPL < D;
+  const int unit = blk_x;
+  const int rt = unit % RT;
+  const int b = unit / (RT * HK);
+  const int hk = (unit / RT) % HK;
+  const int N = k_shape[2];
+  const int S = n_blk_y;
+  const int split = blk_y;
+  int chunk = (N + S - 1) / S;
+  chunk = (chunk + TILE - 1) / TILE * TILE;
+  const int n0 = split * chunk;
+  const int n1 = H2O_MIN(N, n0 + chunk);
+  const float scale = prm_f[0];
+
+  // Row r of this block is query head H2O_ROW_HQ(r), query H2O_ROW_L(r).
+$MASK_SETUP
+$FUSED_SETUP
+
+  float qf[R][EPL];
+  H2O_UNROLL
+  for (int r = 0; r < R; ++r) {
+    H2O_UNROLL
+    for (int e = 0; e < EPL; ++e) {
+      const int d = li * EPL + e;
+      qf[r][e] = lane_on ? static_cast<float>(q[b * q_strides[0] + H2O_ROW_HQ(r) * q_strides[1]
+          + H2O_ROW_L(r) * q_strides[2] + d * q_strides[3]]) : 0.0f;
+    }
+  }
+
+  const i64 kbase = b * k_strides[0] + hk * k_strides[1] + li * EPL * k_strides[3];
+  const i64 vbase = b * v_strides[0] + hk * v_strides[1] + li * EPL * v_strides[3];
+  const i64 ks = k_strides[2];
+  const i64 vs = v_strides[2];
+  constexpr int VEC = 16 / (int)sizeof(T);
+  const bool kvec = k_strides[3] == 1 && H2O_ALIGNED16(k) && k_strides[0] % VEC == 0
+      && k_strides[1] % VEC == 0 && ks % VEC == 0;
+  const bool vvec = v_strides[3] == 1 && H2O_ALIGNED16(v) && v_strides[0] % VEC == 0
+      && v_strides[1] % VEC == 0 && vs % VEC == 0;
+
+  H2O_SHARED float lg_s[R][TILE];
+  H2O_SHARED float a_s[R];
+  H2O_SHARED float m_s[R];
+  H2O_SHARED float l_s[R];
+  H2O_SHARED float red[NT * EPL];
+
+  // Running max / sum of the rows this warp owns (rows warp, warp + NW, ...).
+  float m_run[RPW];
+  float l_run[RPW];
+  H2O_UNROLL
+  for (int i = 0; i < RPW; ++i) {
+    m_run[i] = -H2O_INF;
+    l_run[i] = 0.0f;
+$SINK_INIT
+  }
+  float acc[R][EPL];
+  H2O_UNROLL
+  for (int r = 0; r < R; ++r) {
+    H2O_UNROLL
+    for (int e = 0; e < EPL; ++e) acc[r][e] = 0.0f;
+  }
+
+  for (int t0 = n0; t0 < n1; t0 += TILE) {
+    // (1) logits of the tile: each key group dots U keys with all R rows.
+    {
+      H2ORaw<T, EPL> kr[U];
+      H2O_UNROLL
+      for (int u = 0; u < U; ++u) {
+        const int key = t0 + u * NG + grp;
+        if (key < n1 && lane_on) {
+          h2o_fetch<EPL>(k + kbase + key * ks, k_strides[3], kvec, kr[u]);
+        } else {
+          h2o_zero<EPL>(kr[u]);
+        }
+      }
+      H2O_UNROLL
+      for (int u = 0; u < U; ++u) {
+        const int key = t0 + u * NG + grp;
+        float kf[EPL];
+        h2o_cvt<EPL>(kr[u], kf);
+        float dot[R];
+        H2O_UNROLL
+        for (int r = 0; r < R; ++r) {
+          float s = 0.0f;
+          H2O_UNROLL
+          for (int e = 0; e < EPL; ++e) s += qf[r][e] * kf[e];
+          dot[r] = s;
+        }
+        H2O_UNROLL
+        for (int off = TPK / 2; off > 0; off >>= 1) {
+          H2O_UNROLL
+          for (int r = 0; r < R; ++r) dot[r] += H2O_SHFL_XOR(dot[r], off);
+        }
+        if (key < n1) {
+$FUSED_KPOS
+          H2O_UNROLL
+          for (int r = 0; r < R; ++r) {
+            if (r % TPK == li) {
+              float x = dot[r] * scale;
+$MASK_APPLY
+              lg_s[r][u * NG + grp] = x;
+            }
+          }
+        } else {
+          H2O_UNROLL
+          for (int r = 0; r < R; ++r) {
+            if (r % TPK == li) lg_s[r][u * NG + grp] = -H2O_INF;
+          }
+        }
+      }
+    }
+    H2O_BARRIER();
+
+    // (2) online softmax per row (a warp per row); logits go out coalesced.
+    H2O_UNROLL
+    for (int i = 0; i < RPW; ++i) {
+      const int r = warp + i * NW;
+      if (r < R) {
+        float x[TPL];
+        float mx = -H2O_INF;
+        H2O_UNROLL
+        for (int j = 0; j < TPL; ++j) {
+          x[j] = lg_s[r][lane + 32 * j];
+          mx = H2O_FMAX(mx, x[j]);
+        }
+        H2O_UNROLL
+        for (int off = 16; off > 0; off >>= 1) mx = H2O_FMAX(mx, H2O_SHFL_XOR(mx, off));
+        const i64 lrow = ((i64)(b * HK * G + H2O_ROW_HQ(r)) * L + H2O_ROW_L(r)) * N;
+        H2O_UNROLL
+        for (int j = 0; j < TPL; ++j) {
+          const int key = t0 + lane + 32 * j;
+          if (key < n1) logits[lrow + key] = x[j];
+        }
+        const float m_new = H2O_FMAX(m_run[i], mx);
+        const float shift = m_new == -H2O_INF ? 0.0f : m_new;
+        float ps = 0.0f;
+        H2O_UNROLL
+        for (int j = 0; j < TPL; ++j) {
+          const float p = H2O_EXP(x[j] - shift);
+          lg_s[r][lane + 32 * j] = p;
+          ps += p;
+        }
+        H2O_UNROLL
+        for (int off = 16; off > 0; off >>= 1) ps += H2O_SHFL_XOR(ps, off);
+        const float alpha = m_run[i] == -H2O_INF ? 0.0f : H2O_EXP(m_run[i] - m_new);
+        l_run[i] = l_run[i] * alpha + ps;
+        m_run[i] = m_new;
+        if (lane == 0) a_s[r] = alpha;
+      }
+    }
+    H2O_BARRIER();
+
+    // (3) rescale and accumulate p * V over the tile.
+    {
+      H2ORaw<T, EPL> vr[U];
+      H2O_UNROLL
+      for (int u = 0; u < U; ++u) {
+        const int key = t0 + u * NG + grp;
+        if (key < n1 && lane_on) {
+          h2o_fetch<EPL>(v + vbase + key * vs, v_strides[3], vvec, vr[u]);
+        } else {
+          h2o_zero<EPL>(vr[u]);
+        }
+      }
+      H2O_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const float a = a_s[r];
+        H2O_UNROLL
+        for (int e = 0; e < EPL; ++e) acc[r][e] *= a;
+      }
+      H2O_UNROLL
+      for (int u = 0; u < U; ++u) {
+        float vf[EPL];
+        h2o_cvt<EPL>(vr[u], vf);
+        H2O_UNROLL
+        for (int r = 0; r < R; ++r) {
+          const float p = lg_s[r][u * NG + grp];
+          H2O_UNROLL
+          for (int e = 0; e < EPL; ++e) acc[r][e] += p * vf[e];
+        }
+      }
+    }
+    H2O_BARRIER();
+  }
+
+  // Row statistics to shared memory, then sum acc over the key groups.
+  H2O_UNROLL
+  for (int i = 0; i < RPW; ++i) {
+    const int r = warp + i * NW;
+    if (r < R && lane == 0) {
+      m_s[r] = m_run[i];
+      l_s[r] = l_run[i];
+    }
+  }
+  H2O_UNROLL
+  for (int r = 0; r < R; ++r) {
+    H2O_BARRIER();
+    H2O_UNROLL
+    for (int e = 0; e < EPL; ++e) red[tid * EPL + e] = acc[r][e];
+    H2O_BARRIER();
+    for (int d = tid; d < D; d += NT) {
+      float s = 0.0f;
+      for (int j = 0; j < NG; ++j) s += red[j * TPK * EPL + d];
+$WRITE_ROW
+    }
+  }
+$TAIL
+"""
+
+# Pass-1 row output with one split: normalised out, lse.
+WRITE_FINAL = r"""
+      const i64 orow = (i64)(b * HK * G + H2O_ROW_HQ(r)) * L + H2O_ROW_L(r);
+      const float lsum = l_s[r];
+      out[orow * D + d] = static_cast<T>(s / (lsum > 0.0f ? lsum : 1.0f));
+      if (d == 0) {
+        const float m = m_s[r];
+        lse[orow] = H2O_LOG(lsum) + (m == -H2O_INF ? 0.0f : m);
+      }
+"""
+
+# Pass-1 row output with several splits: unnormalised partials.
+WRITE_PARTIAL = r"""
+      const i64 prow = ((i64)unit * S + split) * R + r;
+      part_o[prow * D + d] = s;
+      if (d == 0) {
+        part_ml[prow * 2] = m_s[r];
+        part_ml[prow * 2 + 1] = l_s[r];
+      }
+"""
+
+SINK_INIT_PASS1 = r"""
+    if (warp + i * NW < R) {
+      m_run[i] = static_cast<float>(sinks[H2O_ROW_HQ(warp + i * NW)]);
+      l_run[i] = 1.0f;
+    }
+"""
+
+# Pass 2: merge S partials per row (one block per (sequence, KV head, row
+# tile), or per (sequence, KV head) when fused), then the optional fold.
+PASS2 = r"""
+$IDS
+  constexpr int NT = 128;
+  constexpr int RT = G * L / R;
+$FUSED_ROWS
+  const int S = part_ml_shape[1];
+  H2O_SHARED float w_s[256];
+  H2O_SHARED float lse_sh[G * L];
+  const int u0 = FUSED_ROWS ? blk_x * RT : blk_x;
+  const int nu = FUSED_ROWS ? RT : 1;
+  for (int uu = 0; uu < nu; ++uu) {
+    const int unit = u0 + uu;
+    const int rt = unit % RT;
+    const int b = unit / (RT * HK);
+    const int hk = (unit / RT) % HK;
+    for (int r = 0; r < R; ++r) {
+      const int gr = rt * R + r;
+      const int hq = hk * G + gr / L;
+      const int l = gr % L;
+      const i64 base = (i64)unit * S * R + r;  // + s * R
+      float M = -H2O_INF;
+      for (int s = 0; s < S; ++s) M = H2O_FMAX(M, part_ml[(base + s * R) * 2]);
+$SINK_MAX
+      const float shift = M == -H2O_INF ? 0.0f : M;
+      float lsum = 0.0f;
+      for (int s = 0; s < S; ++s) {
+        const float m = part_ml[(base + s * R) * 2];
+        const float wgt = m == -H2O_INF ? 0.0f : H2O_EXP(m - shift);
+        lsum += part_ml[(base + s * R) * 2 + 1] * wgt;
+      }
+$SINK_SUM
+      H2O_BARRIER();
+      for (int s = tid; s < S; s += NT) {
+        const float m = part_ml[(base + s * R) * 2];
+        w_s[s] = m == -H2O_INF ? 0.0f : H2O_EXP(m - shift);
+      }
+      H2O_BARRIER();
+      const i64 orow = (i64)(b * HK * G + hq) * L + l;
+      const float inv = 1.0f / (lsum > 0.0f ? lsum : 1.0f);
+      for (int d = tid; d < D; d += NT) {
+        float o = 0.0f;
+        for (int s = 0; s < S; ++s) o += part_o[(base + s * R) * D + d] * w_s[s];
+        out[orow * D + d] = static_cast<T>(o * inv);
+      }
+      const float lse_v = H2O_LOG(lsum) + shift;
+      if (tid == 0) lse[orow] = lse_v;
+      if (FUSED_ROWS && tid == 0) lse_sh[gr] = lse_v;
+    }
+  }
+$TAIL
+"""
+
+SINK_MAX_PASS2 = "      M = H2O_FMAX(M, static_cast<float>(sinks[hq]));"
+SINK_SUM_PASS2 = "      lsum += H2O_EXP(static_cast<float>(sinks[hq]) - shift);"
+
+# The H2O fold and next-victim choice for one (sequence b, KV head hk) with
+# L == 1 and lse_sh[g] holding each group row's lse. Mirrors
+# mlx_h2o.policy.fold_scores / protected / priority / order_keys.
+FOLD = r"""
+  H2O_SHARED int bo_s[NT / 32];
+  H2O_SHARED int bp_s[NT / 32];
+  H2O_SHARED int bs_s[NT / 32];
+  H2O_BARRIER_DEVICE();
+  {
+    const int cap = pos_in_shape[2];
+    const int offset = prm_i[0];
+    const int Q = offset - 1;
+    const int window = prm_i[2];
+    const int sink_n = prm_i[3];
+    const int recent = prm_i[4];
+    const int n_pin = pin_shape[0];
+    const float ema_a = prm_f[1];
+    const float ema_b = prm_f[2];
+    const int b = blk_x / HK;
+    const int hk = blk_x % HK;
+    const int Nv = $NV;
+    const int w = prm_i[1] >= 0
+        ? prm_i[1]
+        : slot[b * slot_strides[0] + hk * slot_strides[1]];
+    const i64 pb = b * pos_in_strides[0] + hk * pos_in_strides[1];
+    const i64 sb = b * score_in_strides[0] + hk * score_in_strides[1];
+    const i64 cb = b * count_in_strides[0] + hk * count_in_strides[1];
+    const i64 ob = (i64)(b * HK + hk) * cap;
+    const i64 lb = (i64)(b * HK * G + hk * G) * Nv;
+    int best_o = 0, best_p = 0, best_s = -1;
+    for (int s = tid; s < cap; s += NT) {
+      int p = s == w ? Q : pos_in[pb + s * pos_in_strides[2]];
+      float sc = s == w ? 0.0f : score_in[sb + s * score_in_strides[2]];
+      float cn = s == w ? 0.0f : count_in[cb + s * count_in_strides[2]];
+      if (s < Nv) {
+        const bool vis = logits[lb + s] > -H2O_INF;
+        const float seen = vis ? 1.0f : 0.0f;
+        if (MODE == 0 || MODE == 3) {  // EMA of |logit| or of attention
+          float mag = 0.0f;
+          for (int g = 0; g < G; ++g) {
+            const float x = logits[lb + g * Nv + s];
+            mag += MODE == 0 ? (vis ? H2O_FABS(x) : 0.0f) : H2O_EXP(x - lse_sh[g]);
+          }
+          const float step = (mag * (1.0f / G)) / H2O_FMAX(seen, 1.0f);
+          const float ema = cn > 0.0f ? ema_a * sc + ema_b * step : step;
+          sc = seen > 0.0f ? ema : sc;
+        } else {
+          float pr = 0.0f;
+          for (int g = 0; g < G; ++g) pr += H2O_EXP(logits[lb + g * Nv + s] - lse_sh[g]);
+          sc = sc + pr * (1.0f / G);
+        }
+        cn = cn + seen;
+        bool keep = p < sink_n || p >= offset + 1 - recent;
+        for (int i = 0; i < n_pin; ++i) keep = keep || (p >= pin[2 * i] && p < pin[2 * i + 1]);
+        const float es = MODE == 2 ? sc / H2O_FMAX(cn, 1.0f) : sc;
+        float pri = keep ? H2O_INF : es;
+        if (window > 0 && p <= offset - window) pri = -H2O_INF;
+        int bits = H2O_F2I(pri);
+        if ((bits & 0x7fffffff) == 0) bits = 0;
+        const int ord = bits >= 0 ? bits : bits ^ 0x7fffffff;
+        if (best_s < 0 || ord < best_o || (ord == best_o && p < best_p)) {
+          best_o = ord;
+          best_p = p;
+          best_s = s;
+        }
+      }
+      pos_out[ob + s] = p;
+      score_out[ob + s] = sc;
+      count_out[ob + s] = cn;
+    }
+    // Block argmin of (order, position); positions are unique per row.
+    for (int off = 16; off > 0; off >>= 1) {
+      const int o2 = H2O_SHFL_XOR(best_o, off);
+      const int p2 = H2O_SHFL_XOR(best_p, off);
+      const int s2 = H2O_SHFL_XOR(best_s, off);
+      if (s2 >= 0 && (best_s < 0 || o2 < best_o || (o2 == best_o && p2 < best_p))) {
+        best_o = o2;
+        best_p = p2;
+        best_s = s2;
+      }
+    }
+    if (lane == 0) {
+      bo_s[warp] = best_o;
+      bp_s[warp] = best_p;
+      bs_s[warp] = best_s;
+    }
+    H2O_BARRIER();
+    if (tid == 0) {
+      for (int i = 1; i < NT / 32; ++i) {
+        if (bs_s[i] >= 0 && (best_s < 0 || bo_s[i] < best_o
+            || (bo_s[i] == best_o && bp_s[i] < best_p))) {
+          best_o = bo_s[i];
+          best_p = bp_s[i];
+          best_s = bs_s[i];
+        }
+      }
+      victim[b * HK + hk] = best_s;
+    }
+  }
+"""
+
+# Pass 1 with one split hands its lse to the fold through shared memory.
+FOLD_PASS1_LSE = r"""
+  H2O_SHARED float lse_sh[R];
+  if (tid < R) {
+    const float m = m_s[tid];
+    lse_sh[tid] = H2O_LOG(l_s[tid]) + (m == -H2O_INF ? 0.0f : m);
+  }
+"""

@@ -1,0 +1,183 @@
+"""Decode attention with scores vs mx.fast.scaled_dot_product_attention (no scores).
+
+    python scripts/bench_kernels.py [--dims 64 128 256] [--ns 256 1024 ...] [--tune]
+
+B=1, 32 query / 8 KV heads, Lq=1. Each timing is a chain of --chain calls
+(each call's output is the next call's query), evaluated once; the median of
+--repeats chains, ours and MLX's interleaved. K/V sets rotate so the working
+set exceeds L2, as with one cache per layer. Prints the ratio to MLX and the
+achieved K+V bandwidth against a measured device copy; a final JSON line.
+--tune times every split count; --step times a whole H2O decode-layer step.
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from mlx_h2o.kernels import gpu_backend, h2o_decode_step  # noqa: E402
+from mlx_h2o.kernels.decode import decode_attention  # noqa: E402
+
+B, HQ, HK = 1, 32, 8
+L2_SPILL_BYTES = 200e6  # rotate K/V sets until the chain touches this much
+
+
+def timed(fn, chain, repeats):
+    """Median seconds per call of `fn` over chains of `chain` dependent calls."""
+    samples = []
+    for _ in range(repeats + 1):  # the first chain warms up (compiles, allocates)
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.eval(fn(chain))
+        mx.synchronize()
+        samples.append((time.perf_counter() - t0) / chain)
+    return statistics.median(samples[1:])
+
+
+def copy_bandwidth(repeats):
+    x = mx.random.normal((256 * 1024 * 1024,)).astype(mx.float16)  # 512 MB
+    mx.eval(x)
+
+    def chain(n):
+        y = x
+        for _ in range(n):
+            y = y + 1
+        return y
+
+    sec = timed(chain, 10, repeats)
+    return 2 * x.nbytes / sec  # bytes read + written
+
+
+def kv_sets(N, D, dtype):
+    kv_bytes = 2 * B * HK * N * D * dtype.size
+    n_sets = max(1, min(8, math.ceil(L2_SPILL_BYTES / kv_bytes)))
+    sets = [(mx.random.normal((B, HK, N, D)).astype(dtype),
+             mx.random.normal((B, HK, N, D)).astype(dtype)) for _ in range(n_sets)]
+    mx.eval(sets)
+    return sets, kv_bytes
+
+
+def attention_chains(N, D, dtype, splits=None):
+    sets, kv_bytes = kv_sets(N, D, dtype)
+    q0 = mx.random.normal((B, HQ, 1, D)).astype(dtype)
+    scale = D ** -0.5
+
+    def ours(n):
+        q = q0
+        for i in range(n):
+            k, v = sets[i % len(sets)]
+            q = decode_attention(q, k, v, scale=scale, num_splits=splits)[0]
+        return q
+
+    def mlx(n):
+        q = q0
+        for i in range(n):
+            k, v = sets[i % len(sets)]
+            q = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+        return q
+
+    return ours, mlx, kv_bytes
+
+
+def step_chains(N, D, dtype):
+    """One decode layer: mlx-lm KVCache (2 slice updates + SDPA) vs fused H2O."""
+    sets, _ = kv_sets(N, D, dtype)
+    q0 = mx.random.normal((B, HQ, 1, D)).astype(dtype)
+    knew = mx.random.normal((B, HK, 1, D)).astype(dtype)
+    pos = mx.broadcast_to(mx.arange(N, dtype=mx.int32), (B, HK, N)) + 0
+    zeros = mx.zeros((B, HK, N), mx.float32)
+    victim0 = mx.zeros((B, HK), mx.int32)
+    scale = D ** -0.5
+
+    def kvcache(n):
+        q, keys = q0, [list(s) for s in sets]
+        for i in range(n):
+            kv = keys[i % len(keys)]
+            kv[0][..., N - 1:N, :] = knew
+            kv[1][..., N - 1:N, :] = knew
+            q = mx.fast.scaled_dot_product_attention(q, kv[0], kv[1], scale=scale)
+        return q
+
+    def h2o(n):
+        q, state = q0, [[k, v, pos, zeros, zeros + 0, victim0] for k, v in sets]
+        for i in range(n):
+            st = state[i % len(state)]
+            idx = st[5][..., None, None]
+            st[0] = mx.put_along_axis(st[0], idx, knew, axis=2)
+            st[1] = mx.put_along_axis(st[1], idx, knew, axis=2)
+            res = h2o_decode_step(q, st[0], st[1], st[2], st[3], st[4], slot=st[5],
+                                  offset=N + i, scale=scale, sink_size=4,
+                                  recent_budget=N // 2)
+            st[2:6] = res[1:5]
+            q = res.out
+        return q
+
+    return h2o, kvcache
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dims", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--ns", type=int, nargs="+", default=[256, 1024, 4096, 16384, 32768])
+    p.add_argument("--dtype", default="float16")
+    p.add_argument("--chain", type=int, default=200)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--tune", action="store_true", help="time each split count")
+    p.add_argument("--step", action="store_true", help="also time a whole layer step")
+    args = p.parse_args()
+    if gpu_backend() is None:
+        print("no GPU backend: nothing to benchmark")
+        return 2
+    dtype = getattr(mx, args.dtype)
+    bw = copy_bandwidth(args.repeats)
+    print(f"backend={gpu_backend()} mlx={mx.__version__} dtype={args.dtype} B={B} "
+          f"heads={HQ}/{HK} chain={args.chain} repeats={args.repeats}")
+    print(f"copy bandwidth (read+write): {bw / 1e9:.0f} GB/s")
+    print(f"{'D':>4s} {'N':>6s} {'ours us':>8s} {'mlx us':>8s} {'ratio':>6s} "
+          f"{'GB/s':>6s} {'floor us':>8s} {'x floor':>7s}")
+    rows = []
+    for D in args.dims:
+        for N in args.ns:
+            ours, mlx, kv_bytes = attention_chains(N, D, dtype)
+            t_ours, t_mlx = [], []
+            for _ in range(3):  # interleave: noise hits both
+                t_ours.append(timed(ours, args.chain, args.repeats))
+                t_mlx.append(timed(mlx, args.chain, args.repeats))
+            t_o, t_m = statistics.median(t_ours), statistics.median(t_mlx)
+            floor = kv_bytes / bw
+            row = dict(D=D, N=N, ours_us=t_o * 1e6, mlx_us=t_m * 1e6, ratio=t_o / t_m,
+                       gbps=kv_bytes / t_o / 1e9, floor_us=floor * 1e6, x_floor=t_o / floor)
+            rows.append(row)
+            print(f"{D:4d} {N:6d} {row['ours_us']:8.1f} {row['mlx_us']:8.1f} "
+                  f"{row['ratio']:6.2f} {row['gbps']:6.0f} {row['floor_us']:8.1f} "
+                  f"{row['x_floor']:7.2f}", flush=True)
+            if args.tune:
+                for S in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+                    o, _, _ = attention_chains(N, D, dtype, splits=S)
+                    print(f"       tune S={S:3d}: {timed(o, args.chain, args.repeats) * 1e6:8.1f} us",
+                          flush=True)
+    steps = []
+    if args.step:
+        print(f"{'D':>4s} {'N':>6s} {'h2o step us':>11s} {'kvcache us':>10s} {'ratio':>6s}")
+        for N in (256, 1024, 4096):
+            h2o, kvc = step_chains(N, 128, dtype)
+            t_h = statistics.median([timed(h2o, args.chain, args.repeats) for _ in range(3)])
+            t_k = statistics.median([timed(kvc, args.chain, args.repeats) for _ in range(3)])
+            steps.append(dict(D=128, N=N, h2o_us=t_h * 1e6, kvcache_us=t_k * 1e6,
+                              ratio=t_h / t_k))
+            print(f"{128:4d} {N:6d} {t_h * 1e6:11.1f} {t_k * 1e6:10.1f} {t_h / t_k:6.2f}",
+                  flush=True)
+    print(json.dumps(dict(backend=gpu_backend(), mlx=mx.__version__, dtype=args.dtype,
+                          copy_gbps=bw / 1e9, attention=rows, layer_step=steps)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

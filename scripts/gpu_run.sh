@@ -1,0 +1,29 @@
+#!/bin/sh
+# One device call: install MLX CUDA (if given), then check and time the kernels.
+#
+#   sh scripts/gpu_run.sh [install] [quick|full|bench|tune|all]...
+#
+# "install" expects .gpu/part1 already copied to /root/mlxw (previous call) and
+# .gpu/part2 carried now (see docs/GPU.md). Logs go to $OUT when set.
+set -u
+OUT=${OUT:-/tmp/h2o_out}
+mkdir -p "$OUT"
+export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1  # mlx + mlx_lm live in /root/site
+status=0
+for step in "$@"; do
+  case "$step" in
+    install)
+      cp .gpu/part2/* /root/mlxw/ && sh /root/mlxw/install.sh /root/site >/dev/null || exit 3
+      cp -r .gpu/lib/mlx_lm /root/site/ || exit 3
+      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+      python3 -c "import mlx.core as mx; print('mlx', mx.__version__, 'cuda', mx.cuda.is_available())"
+      ;;
+    quick) python3 scripts/gpu_check.py --quick --fused-steps 120 2>&1 | tee "$OUT/check_quick.log" || status=1 ;;
+    full) python3 scripts/gpu_check.py 2>&1 | tee "$OUT/check.log" || status=1 ;;
+    bench) python3 scripts/bench_kernels.py --step 2>&1 | tee "$OUT/bench.log" || status=1 ;;
+    tune) python3 scripts/bench_kernels.py --dims 128 --tune --repeats 3 2>&1 | tee "$OUT/tune.log" || status=1 ;;
+    pytest) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py 2>&1 | tail -5 ;;
+    *) echo "unknown step $step"; status=2 ;;
+  esac
+done
+exit $status

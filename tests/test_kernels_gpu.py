@@ -1,0 +1,150 @@
+"""GPU decode kernels: source generation and dispatch (CPU), numerics (GPU only).
+
+The numeric tests compare the kernels with a float64 numpy reference; they run
+only where MLX has a GPU backend (Metal or CUDA). scripts/gpu_check.py runs
+the full sweep there.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_h2o import kernels
+from mlx_h2o.kernels import build, reference, source
+from mlx_h2o.kernels.decode import choose_splits, layout, mask_mode, supported
+from mlx_h2o.kernels.testing import Case, check_case, ref64, rel_err, to_np
+
+HAS_GPU = build.gpu_backend() is not None
+needs_gpu = pytest.mark.skipif(
+    not HAS_GPU, reason="needs MLX with Metal or CUDA (mx.metal / mx.cuda unavailable)"
+)
+
+
+# --- kernel source generation (pure Python) ---------------------------------
+@pytest.mark.parametrize("backend", ["cuda", "metal"])
+def test_every_variant_assembles(backend):
+    for label, header, body in build.all_sources(backend):
+        assert "$" not in body and "$" not in header, label
+        assert body.count("{") == body.count("}"), label
+
+
+def test_cuda_and_metal_share_one_body():
+    for mask in build.MASK_KINDS:
+        for flags in [(False, False, False), (True, True, True), (True, False, True)]:
+            _, cuda = build.pass1_source("cuda", mask, *flags)
+            _, metal = build.pass1_source("metal", mask, *flags)
+            assert cuda.replace(source.CUDA_IDS, "") == metal.replace(source.METAL_IDS, "")
+    _, cuda = build.pass2_source("cuda", True, True)
+    _, metal = build.pass2_source("metal", True, True)
+    assert cuda.replace(source.CUDA_IDS, "") == metal.replace(source.METAL_IDS, "")
+
+
+@pytest.mark.parametrize("mask", build.MASK_KINDS)
+@pytest.mark.parametrize("split,fused", [(False, False), (True, False), (False, True), (True, True)])
+def test_inputs_match_body(mask, split, fused):
+    inputs, outputs = build.pass1_names(mask, True, split, fused)
+    _, body = build.pass1_source("cuda", mask, True, split, fused)
+    for name in inputs + outputs:
+        assert name in body, name
+    assert ("mask" in inputs) == (mask in ("bool", "add"))
+    assert ("victim" in outputs) == (fused and not split)
+
+
+@pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("itemsize", [2, 4])
+@pytest.mark.parametrize("G,L", [(1, 1), (4, 1), (7, 1), (8, 8), (16, 1), (4, 3)])
+def test_layout(D, itemsize, G, L):
+    lay = layout(D, itemsize, G, L)
+    vec = 16 // itemsize
+    assert lay.EPL % vec == 0 and D % lay.EPL == 0 and lay.TPK * lay.EPL >= D
+    assert lay.TPK in (8, 16, 32) and lay.tile % 32 == 0
+    assert lay.R <= 8 and lay.R * lay.RT == G * L
+
+
+def test_choose_splits():
+    assert choose_splits(1, 8, 64) == 1 and choose_splits(256, 8, 64) == 1
+    counts = [choose_splits(n, 8, 64) for n in (257, 1025, 4097, 32768, 10**6)]
+    assert counts == sorted(counts) and max(counts) <= 256 and counts[0] > 1
+    assert choose_splits(32768, 512, 64) == 1  # enough blocks already
+
+
+def test_mask_mode():
+    B, Hq, Hk, L, N = 2, 8, 2, 3, 10
+    assert mask_mode(None, B, Hq, Hk, L, N) == ("none", 0)
+    assert mask_mode("causal", B, Hq, Hk, L, N) == ("causal", 0)
+    assert mask_mode("sliding", B, Hq, Hk, L, N) is None
+    assert mask_mode(mx.ones((L, N), mx.bool_), B, Hq, Hk, L, N) == ("bool", 0)
+    assert mask_mode(mx.zeros((B, Hq, L, N)), B, Hq, Hk, L, N) == ("add", 1)
+    assert mask_mode(mx.zeros((1, Hk, 1, N), mx.float16), B, Hq, Hk, L, N) == ("add", 2)
+    assert mask_mode(mx.zeros((B, 3, L, N)), B, Hq, Hk, L, N) is None
+    assert mask_mode(mx.zeros((L, N), mx.int32), B, Hq, Hk, L, N) is None
+
+
+# --- dispatch ---------------------------------------------------------------
+def _qkv(L=1, N=33, D=64, dtype=mx.float32):
+    q = mx.random.normal((1, 4, L, D)).astype(dtype)
+    k = mx.random.normal((1, 2, N, D)).astype(dtype)
+    return q, k, mx.random.normal((1, 2, N, D)).astype(dtype)
+
+
+def test_dispatch_rejects_unsupported_shapes():
+    q, k, v = _qkv(L=9)
+    assert not supported(q, k, v)  # Lq > 8: prefill, reference path
+    q, k, v = _qkv(D=72 + 2)
+    assert not supported(q, k, v)
+    q, k, v = _qkv()
+    assert not supported(q, k.astype(mx.float16), v)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the CPU-only fallback")
+def test_dispatch_falls_back_to_reference_on_cpu():
+    q, k, v = _qkv()
+    got = kernels.scaled_dot_product_attention_with_scores(q, k, v, scale=0.125)
+    want = reference.scaled_dot_product_attention_with_scores(q, k, v, scale=0.125)
+    for a, b in zip(got, want):
+        assert mx.array_equal(a, b)
+    with pytest.raises(ValueError, match="no GPU kernel"):
+        kernels.scaled_dot_product_attention_with_scores(q, k, v, scale=0.1, use_kernel=True)
+    pos = mx.zeros((1, 2, 33), mx.int32)
+    assert not kernels.h2o_step_supported(q, k, v, pos)
+
+
+def test_numpy_reference_matches_mx_reference():
+    q, k, v = _qkv(L=3, N=40)
+    mask = mx.random.uniform(shape=(1, 2, 3, 40)) > 0.3
+    got = ref64(to_np(q), to_np(k), to_np(v), 0.2, np.array(mask), None)
+    want = reference.scaled_dot_product_attention_with_scores(q, k, v, scale=0.2, mask=mask)
+    for a, b in zip(got, want):
+        assert rel_err(a, to_np(b)) < 1e-5
+
+
+# --- numerics on the GPU ----------------------------------------------------
+GPU_CASES = [
+    Case(N=1), Case(N=257, D=80, dtype="bfloat16"), Case(N=1025, D=256, dtype="float32"),
+    Case(N=4097, Hq=32, Hk=8), Case(N=97, L=8, Hq=16, Hk=2, mask="causal"),
+    Case(N=257, L=4, mask="bool_kv", sinks=True, B=2), Case(N=257, L=2, mask="add_q"),
+    Case(N=257, L=4, mask="bool_row"), Case(N=1025, view="slice", B=2),
+    Case(N=257, view="strided", dtype="float32"), Case(N=2000, splits=1),
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.label())
+def test_kernel_matches_float64(case):
+    from mlx_h2o.kernels.decode import decode_attention
+
+    def fn(q, k, v, scale, mask, sinks):
+        return decode_attention(q, k, v, scale=scale, mask=mask, sinks=sinks,
+                                num_splits=case.splits, poison=float("nan"))
+
+    ok, errs = check_case(case, 1234, fn)
+    assert ok, errs
+
+
+@needs_gpu
+def test_dispatch_picks_kernel_on_gpu():
+    q, k, v = _qkv(dtype=mx.float16)
+    assert supported(q, k, v)
+    got = kernels.scaled_dot_product_attention_with_scores(q, k, v, scale=0.125)
+    want = reference.scaled_dot_product_attention_with_scores(q, k, v, scale=0.125)
+    assert rel_err(to_np(got[1]), to_np(want[1])) < 1e-5
