@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # Debian's OpenBLAS replaces the reference BLAS linked by the mlx-cpu wheel (~30x faster matmul).
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
-PRELOAD := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS),)
+# Decided when a recipe runs: `make install` may have just installed it.
+PRELOAD = LD_PRELOAD="$$(test -e $(OPENBLAS) && echo $(OPENBLAS))"
 PYTEST_ARGS ?= -q
 
 .PHONY: install demo test wheel clean openblas bench ppl swift
@@ -40,10 +41,10 @@ PPL_ARGS ?= --model smollm2-135m --corpus austen -n 10 --seq-len 512 --max-kv 25
 BENCH_ARGS ?= --model smollm2-135m -p 512 -g 128 --max-kv 256 -n 3
 
 ppl: install
-	nice -n 5 $(PY) -m mlx_h2o ppl $(PPL_ARGS)
+	$(PRELOAD) nice -n 5 $(PY) -m mlx_h2o ppl $(PPL_ARGS)
 
 bench: install
-	$(PY) -m mlx_h2o bench $(BENCH_ARGS)
+	$(PRELOAD) $(PY) -m mlx_h2o bench $(BENCH_ARGS)
 
 wheel: install
 	$(PY) -m pip wheel -q --no-deps -w dist .
