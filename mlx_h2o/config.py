@@ -31,6 +31,9 @@ class H2OConfig:
     ``prefill_window`` > 0 scores a chunk of L > 1 tokens (a prompt) with its
     last ``prefill_window`` queries only (SnapKV, Li et al. 2024): the end of a
     prompt (a question) tells which of its tokens will be needed.
+    ``prefill_pool`` > 1 max-pools a chunk's scores over that many
+    neighbouring positions, so the tokens around an attended one (the rest of
+    a number, a name) stay with it.
 
     ``pinned`` holds half-open position ranges ``(start, end)`` that are never
     evicted; they use heavy-hitter slots.
@@ -45,12 +48,14 @@ class H2OConfig:
     pinned: Tuple[Tuple[int, int], ...] = field(default_factory=tuple)
     step: int = 256
     prefill_window: int = 0
+    prefill_pool: int = 0
 
     def __post_init__(self):
         _check_int("max_size", self.max_size, 1)
         _check_int("sink_size", self.sink_size, 0)
         _check_int("step", self.step, 1)
         _check_int("prefill_window", self.prefill_window, 0)
+        _check_int("prefill_pool", self.prefill_pool, 0)
         heavy, recent = _split(
             self.max_size, self.sink_size, self.heavy_budget, self.recent_budget
         )

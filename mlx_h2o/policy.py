@@ -21,6 +21,8 @@ def fold_scores(
     lse: mx.array,
     alpha: float = 0.95,
     window: int = 0,
+    positions: Optional[mx.array] = None,
+    pool: int = 0,
 ) -> Tuple[mx.array, mx.array]:
     """Fold one attention call into the running scores.
 
@@ -28,29 +30,54 @@ def fold_scores(
     with masked entries -inf; lse (B, n_heads, L). ``count`` is the number of
     queries that could see each key (visibility taken from the group's first
     head: masks are shared within a GQA group). ``window`` > 0 folds only the
-    last ``window`` queries of the call.
+    last ``window`` queries of the call. ``pool`` > 1 (with ``positions``, the
+    slots' token positions) max-pools the call's contribution over keys within
+    ``pool // 2`` positions, for calls of L > 1 queries (prompt chunks).
     """
-    if 0 < window < logits.shape[2]:
+    L = logits.shape[2]
+    if 0 < window < L:
         logits, lse = logits[:, :, -window:], lse[:, :, -window:]
-    B, Hq, L, N = logits.shape
+    B, Hq, Lw, N = logits.shape
     Hk = score.shape[1]
-    lg = logits.reshape(B, Hk, Hq // Hk, L, N)
-    visible = lg[:, :, 0] > -mx.inf  # (B, Hk, L, N)
+    lg = logits.reshape(B, Hk, Hq // Hk, Lw, N)
+    visible = lg[:, :, 0] > -mx.inf  # (B, Hk, Lw, N)
     seen = visible.astype(mx.float32).sum(axis=2)  # (B, Hk, N)
-    if mode in ("ema", "attention_ema"):
-        if mode == "ema":
-            mag = mx.where(visible[:, :, None], mx.abs(lg), 0.0)
-        else:
-            mag = mx.exp(lg - lse.reshape(B, Hk, Hq // Hk, L, 1))
-        step = mag.mean(axis=2).sum(axis=2) / mx.maximum(seen, 1.0)
-        ema = mx.where(count > 0, alpha * score + (1.0 - alpha) * step, step)
-        score = mx.where(seen > 0, ema, score)
-    elif mode in ("accumulated", "normalized"):
-        probs = mx.exp(lg - lse.reshape(B, Hk, Hq // Hk, L, 1))
-        score = score + probs.mean(axis=2).sum(axis=2)
+    if mode == "ema":
+        mag = mx.where(visible[:, :, None], mx.abs(lg), 0.0)
+    elif mode in ("attention_ema", "accumulated", "normalized"):
+        mag = mx.exp(lg - lse.reshape(B, Hk, Hq // Hk, Lw, 1))
     else:
         raise ValueError(f"unknown score mode {mode!r}")
+    step = mag.mean(axis=2).sum(axis=2)  # (B, Hk, N)
+    if pool > 1 and L > 1 and positions is not None:
+        step = pool_neighbours(step, positions, pool // 2)
+    if mode in ("ema", "attention_ema"):
+        step = step / mx.maximum(seen, 1.0)
+        ema = mx.where(count > 0, alpha * score + (1.0 - alpha) * step, step)
+        score = mx.where(seen > 0, ema, score)
+    else:
+        score = score + step
     return score, count + seen
+
+
+def pool_neighbours(x: mx.array, positions: mx.array, radius: int) -> mx.array:
+    """Max of ``x`` (>= 0) over slots whose positions lie within ``radius``.
+
+    Shapes: x, positions (B, n_kv_heads, N). Neighbours are looked up by slot
+    offset and kept only where the positions differ by exactly that offset
+    (slots after an eviction are not in position order).
+    """
+    out = x
+    pad = lambda a, d, v: mx.pad(a, [(0, 0), (0, 0), d], constant_values=v)  # noqa
+    big = 2**30
+    for d in range(1, radius + 1):
+        if d >= x.shape[-1]:
+            break
+        right, pos_r = pad(x[..., d:], (0, d), 0), pad(positions[..., d:], (0, d), big)
+        left, pos_l = pad(x[..., :-d], (d, 0), 0), pad(positions[..., :-d], (d, 0), -big)
+        out = mx.maximum(out, mx.where(pos_r - positions == d, right, 0.0))
+        out = mx.maximum(out, mx.where(positions - pos_l == d, left, 0.0))
+    return out
 
 
 def eviction_score(mode: str, score: mx.array, count: mx.array) -> mx.array:

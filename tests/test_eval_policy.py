@@ -53,6 +53,30 @@ def test_new_options_keep_kvcache_equivalence_within_budget():
     model = tiny_llama()
     toks = mx.random.randint(0, VOCAB, (2, 40), key=mx.random.key(2))
     base = ppl.run_ppl(model, toks, parse_strategy("baseline"), 0, "chunked", chunk=16)
-    for spec in ("h2o-heavy:score=attention_ema", "h2o-heavy-norm:prefill_window=4"):
+    for spec in ("h2o-heavy:score=attention_ema",
+                 "h2o-heavy-norm:prefill_window=4,prefill_pool=5"):
         r = ppl.run_ppl(model, toks, parse_strategy(spec), 40, "chunked", chunk=16)
         assert r["nll_per_sample"] == pytest.approx(base["nll_per_sample"], abs=1e-5)
+
+
+def test_pool_neighbours_follows_positions_not_slots():
+    x = mx.array([[[0.0, 5.0, 0.0, 0.0, 1.0, 0.0]]])
+    pos = mx.array([[[0, 1, 2, 3, 4, 9]]])
+    got = policy.pool_neighbours(x, pos, 1)
+    assert got.tolist() == [[[5.0, 5.0, 5.0, 1.0, 1.0, 0.0]]]  # slot 5 is no neighbour
+    shuffled = mx.array([[[7, 1, 2, 3, 4, 9]]])  # slot 0 holds position 7
+    got = policy.pool_neighbours(x, shuffled, 2)
+    assert got.tolist() == [[[0.0, 5.0, 5.0, 5.0, 1.0, 0.0]]]
+
+
+def test_pool_applies_to_chunks_only():
+    logits, lse = _attention(L=6, N=9)
+    pos = mx.broadcast_to(mx.arange(9), (2, 2, 9))
+    zero = mx.zeros((2, 2, 9))
+    plain = policy.fold_scores("accumulated", zero, zero, logits, lse)[0]
+    pooled = policy.fold_scores("accumulated", zero, zero, logits, lse, 0.9, 0, pos, 3)[0]
+    assert mx.allclose(pooled, policy.pool_neighbours(plain, pos, 1)).item()
+    one = policy.fold_scores("accumulated", zero, zero, logits[:, :, -1:],
+                             lse[:, :, -1:], 0.9, 0, pos, 3)[0]
+    ref = policy.fold_scores("accumulated", zero, zero, logits[:, :, -1:], lse[:, :, -1:])[0]
+    assert mx.allclose(one, ref).item()

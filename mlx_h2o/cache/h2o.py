@@ -75,7 +75,8 @@ class H2OKVCache:
         n, cfg = self._n, self.config
         score, count = policy.fold_scores(
             cfg.score, self.score[..., :n], self.count[..., :n], logits, lse,
-            cfg.ema_alpha, cfg.prefill_window,
+            cfg.ema_alpha, cfg.prefill_window, self.positions[..., :n],
+            cfg.prefill_pool,
         )
         self.score[..., :n] = score
         self.count[..., :n] = count
