@@ -191,7 +191,8 @@ def run_update(cache, s: Stream, rng, L, i, where):
     logits, lse = cache.kv.last
     if N > cfg.max_size:  # compaction: re-fold to see the priorities it used
         sc, ct = policy.fold_scores(
-            cfg.score, pre[0], pre[1], mx.array(logits), mx.array(lse), cfg.ema_alpha
+            cfg.score, pre[0], pre[1], mx.array(logits), mx.array(lse), cfg.ema_alpha,
+            cfg.prefill_window, pre[2], cfg.prefill_pool,
         )
         keep = policy.protected(
             pre[2], cache.offset, cfg.sink_size, cfg.recent_budget, cfg.pinned
@@ -271,6 +272,12 @@ def streams():
             (12, *decode(6), 5, *decode(3)), batch=2, n_heads=4, n_kv_heads=2, seed=7,
         ),
         Stream(
+            "accumulated_prefill_pool",
+            C(max_size=10, sink_size=1, recent_budget=3, score="accumulated",
+              prefill_pool=3, step=4),
+            (14, *decode(5), 6, *decode(4), 4), n_heads=2, seed=8,
+        ),
+        Stream(
             "quantized_8bit_gqa", C(max_size=8, sink_size=1, recent_budget=3, step=4),
             (9, *decode(6), 4, ("trim", 2), *decode(3)), n_heads=4, n_kv_heads=2,
             quant=dict(bits=8, group_size=32), seed=6,
@@ -296,6 +303,8 @@ CONFIG_CASES = [
     dict(max_size=8, step=0),
     dict(max_size=8, prefill_window=-1),
     dict(max_size=8, prefill_window=16, score="attention_ema"),
+    dict(max_size=8, prefill_pool=-2),
+    dict(max_size=8, prefill_pool=5, prefill_window=4),
     dict(max_size=4, sink_size=4),
     dict(max_size=8, heavy_budget=-1),
     dict(max_size=8, heavy_budget=2, recent_budget=2),

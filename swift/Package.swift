@@ -1,6 +1,6 @@
 // swift-tools-version: 5.9
-// mlx-h2o for Swift: H2OCore (pure Swift; builds and tests anywhere) and MLXH2O
-// (mlx-swift + mlx-swift-lm; Apple platforms). MLXH2O joins the package only when
+// mlx-h2o for Swift: H2OCore and H2OKernels (pure Swift; build and test anywhere)
+// and MLXH2O (mlx-swift + mlx-swift-lm; Apple platforms). MLXH2O joins the package only when
 // asked for, so `swift build` / `swift test` on Linux build H2OCore alone:
 //   MLXH2O_MLX_SWIFT_LM=/path/to/mlx-swift-lm  a local checkout (patched with
 //                                              scripts/apply-patches.sh for routing)
@@ -28,8 +28,11 @@ let package = Package(
     ],
     targets: [
         .target(name: "H2OCore"),
+        // The Metal kernel source (generated from the Python package) and its
+        // assembly and launch plans: plain strings and integers, checked on any OS.
+        .target(name: "H2OKernels"),
         // Reads the shared JSON vectors from Tests/Vectors by #filePath.
-        .testTarget(name: "H2OCoreTests", dependencies: ["H2OCore"]),
+        .testTarget(name: "H2OCoreTests", dependencies: ["H2OCore", "H2OKernels"]),
     ]
 )
 
@@ -44,7 +47,7 @@ if withMLX {
         .target(
             name: "MLXH2O",
             dependencies: [
-                "H2OCore",
+                "H2OCore", "H2OKernels",
                 .product(name: "MLX", package: "mlx-swift"),
                 .product(name: "MLXLMCommon", package: lmPackage),
             ],

@@ -20,17 +20,16 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 VECTORS = os.path.join(ROOT, "swift", "Tests", "Vectors")
 
 
-def _load_generator():
-    path = os.path.join(ROOT, "scripts", "make_swift_vectors.py")
-    spec = importlib.util.spec_from_file_location("make_swift_vectors", path)
+def _load(path, name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, path))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-gen = _load_generator()
+gen = _load("scripts/make_swift_vectors.py", "make_swift_vectors")
 FILES = sorted(f for f in os.listdir(VECTORS) if f.endswith(".json"))
-STREAMS = [f for f in FILES if f != "config_cases.json"]
+STREAMS = [f for f in FILES if f not in ("config_cases.json", "metal_kernels.json")]
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +46,9 @@ def _read(name):
 
 def test_regenerating_gives_identical_files():
     docs = dict(gen.documents())
-    assert sorted(docs) == FILES, "run: python scripts/make_swift_vectors.py"
+    assert sorted(docs) == [f for f in FILES if f != "metal_kernels.json"], (
+        "run: python scripts/make_swift_vectors.py"
+    )
     for name, text in docs.items():
         assert text == _read(name), f"{name} is stale: run python scripts/make_swift_vectors.py"
 
@@ -77,6 +78,7 @@ def test_streams_cover_the_issue():
     assert any(d["window_size"] is not None for d in docs)
     assert {d["config"]["score"] for d in docs} == set(SCORE_MODES)
     assert any(d["config"]["prefill_window"] for d in docs)
+    assert any(d["config"]["prefill_pool"] > 1 for d in docs)
     assert any(d["config"]["pinned"] for d in docs)
     assert any(d["quant"] for d in docs)  # QuantizedH2OKVCache keeps the same slots
     assert any(st["op"] == "trim" and st["expect"]["evicted"] for st in steps)
@@ -85,3 +87,11 @@ def test_streams_cover_the_issue():
     # An overflowing chunk: more slots attended than kept.
     updates = [st for st in steps if st["op"] == "update"]
     assert any(st["expect"]["size"] < len(st["logits"]) // len(st["lse"]) for st in updates)
+
+
+def test_swift_metal_source_is_current():
+    """The Swift package's kernel text is generated from mlx_h2o/kernels, not copied."""
+    metal = _load("swift/scripts/make_metal_source.py", "make_metal_source")
+    for path, text in metal.outputs():
+        with open(path) as f:
+            assert f.read() == text, f"{path} is stale: run make -C swift kernels"

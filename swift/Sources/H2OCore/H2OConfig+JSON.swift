@@ -7,7 +7,7 @@ extension H2OConfig {
 
     /// Builds a config from `config_to_dict` keys (`max_size`, `sink_size`,
     /// `heavy_budget`, `recent_budget`, `score`, `ema_alpha`, `pinned`, `step`,
-    /// `prefill_window`); missing keys take the defaults.
+    /// `prefill_window`, `prefill_pool`); missing keys take the defaults.
     public init(dictionary d: [String: Any]) throws {
         func int(_ key: String) throws -> Int? {
             guard let v = d[key], !(v is NSNull) else { return nil }
@@ -24,7 +24,8 @@ extension H2OConfig {
             maxSize: maxSize, sinkSize: try int("sink_size") ?? 4,
             heavyBudget: try int("heavy_budget"), recentBudget: try int("recent_budget"),
             score: score, emaAlpha: alpha, pinned: try pinnedRanges(pairs),
-            step: try int("step") ?? 256, prefillWindow: try int("prefill_window") ?? 0)
+            step: try int("step") ?? 256, prefillWindow: try int("prefill_window") ?? 0,
+            prefillPool: try int("prefill_pool") ?? 0)
     }
 
     /// Parses `json.dumps(config_to_dict(config))`.
@@ -42,6 +43,7 @@ extension H2OConfig {
         return "{\"max_size\": \(maxSize), \"sink_size\": \(sinkSize), "
             + "\"heavy_budget\": \(heavyBudget), \"recent_budget\": \(recentBudget), "
             + "\"score\": \"\(score.rawValue)\", \"ema_alpha\": \(emaAlpha), "
-            + "\"pinned\": [\(pins)], \"step\": \(step), \"prefill_window\": \(prefillWindow)}"
+            + "\"pinned\": [\(pins)], \"step\": \(step), "
+            + "\"prefill_window\": \(prefillWindow), \"prefill_pool\": \(prefillPool)}"
     }
 }

@@ -53,16 +53,20 @@ public struct H2OConfig: Equatable, Sendable {
     /// > 0: a chunk of L > 1 tokens (a prompt) is scored by its last
     /// `prefillWindow` queries only (SnapKV, Li et al. 2024).
     public let prefillWindow: Int
+    /// > 1: a chunk's scores are max-pooled over that many neighbouring
+    /// positions, so the tokens around an attended one stay with it.
+    public let prefillPool: Int
 
     public init(
         maxSize: Int, sinkSize: Int = 4, heavyBudget: Int? = nil, recentBudget: Int? = nil,
         score: ScoreMode = .ema, emaAlpha: Double = 0.95, pinned: [Range<Int>] = [],
-        step: Int = 256, prefillWindow: Int = 0
+        step: Int = 256, prefillWindow: Int = 0, prefillPool: Int = 0
     ) throws {
         try checkInt("max_size", maxSize, 1)
         try checkInt("sink_size", sinkSize, 0)
         try checkInt("step", step, 1)
         try checkInt("prefill_window", prefillWindow, 0)
+        try checkInt("prefill_pool", prefillPool, 0)
         let (heavy, recent) = try split(maxSize, sinkSize, heavyBudget, recentBudget)
         guard emaAlpha > 0, emaAlpha < 1 else {
             throw H2OConfigError("ema_alpha must be in (0, 1), got \(emaAlpha)")
@@ -76,6 +80,7 @@ public struct H2OConfig: Equatable, Sendable {
         self.pinned = try checkPinned(pinned, heavy: heavy)
         self.step = step
         self.prefillWindow = prefillWindow
+        self.prefillPool = prefillPool
     }
 
     /// Number of pinned positions.

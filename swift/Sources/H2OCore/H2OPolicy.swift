@@ -14,48 +14,69 @@ public enum H2OPolicy {
 
     /// Folds one attention call into the running scores of row (`batch`, `kvHead`).
     ///
-    /// Shapes: `score`, `count` (N) for this row; `scores.logits` (B, n_heads, L, N).
-    /// The query heads of the KV head's group are averaged; `count` gains the
-    /// number of queries that could see each key (visibility from the group's
-    /// first head: masks are shared within a GQA group). `window` > 0 folds only
-    /// the last `window` queries. Float32 arithmetic in the order of the MLX ops
-    /// (mean over heads as sum times 1/G, then sum over queries).
+    /// Shapes: `score`, `count`, `positions` (N) for this row; `scores.logits`
+    /// (B, n_heads, L, N). The query heads of the KV head's group are averaged;
+    /// `count` gains the number of queries that could see each key (visibility
+    /// from the group's first head: masks are shared within a GQA group).
+    /// `window` > 0 folds only the last `window` queries; `pool` > 1 max-pools a
+    /// chunk's (L > 1) contribution over keys within `pool / 2` positions.
+    /// Float32 arithmetic in the order of the MLX ops (mean over heads as sum
+    /// times 1/G, then sum over queries).
     public static func foldScores(
         mode: ScoreMode, score: inout [Float], count: inout [Float], scores s: AttentionScores,
-        batch b: Int, kvHead h: Int, kvHeads: Int, alpha: Double, window: Int = 0
+        batch b: Int, kvHead h: Int, kvHeads: Int, alpha: Double, window: Int = 0,
+        positions: [Int32]? = nil, pool: Int = 0
     ) {
         let G = s.heads / kvHeads
         let invG = Float(1.0 / Double(G))
-        let a = Float(alpha)
-        let oneMinusA = Float(1.0 - alpha)
         let queries = (0 < window && window < s.queries) ? (s.queries - window) ..< s.queries : 0 ..< s.queries
+        var step = [Float](repeating: 0, count: s.keys)
+        var seen = [Float](repeating: 0, count: s.keys)
         for j in 0 ..< s.keys {
-            var seen: Float = 0
-            var total: Float = 0
             for l in queries {
                 let visible = s.logit(b, h * G, l, j) > -Float.infinity
-                if visible { seen += 1 }
+                if visible { seen[j] += 1 }
                 var group: Float = 0
                 for g in h * G ..< (h + 1) * G {
                     let x = s.logit(b, g, l, j)
-                    switch mode {
-                    case .ema: group += visible ? Swift.abs(x) : 0
-                    case .accumulated, .normalized, .attentionEma:
-                        group += Foundation.exp(x - s.logSumExp(b, g, l))
-                    }
+                    group += mode == .ema ? (visible ? Swift.abs(x) : 0) : Foundation.exp(x - s.logSumExp(b, g, l))
                 }
-                total += group * invG
+                step[j] += group * invG
             }
+        }
+        if pool > 1 && s.queries > 1, let positions {
+            step = poolNeighbours(step, positions: positions, radius: pool / 2)
+        }
+        let (a, oneMinusA) = (Float(alpha), Float(1.0 - alpha))
+        for j in 0 ..< s.keys {
             switch mode {
             case .ema, .attentionEma:
-                let step = total / Swift.max(seen, 1)
-                let ema = count[j] > 0 ? a * score[j] + oneMinusA * step : step
-                if seen > 0 { score[j] = ema }
+                let st = step[j] / Swift.max(seen[j], 1)
+                let ema = count[j] > 0 ? a * score[j] + oneMinusA * st : st
+                if seen[j] > 0 { score[j] = ema }
             case .accumulated, .normalized:
-                score[j] = score[j] + total
+                score[j] = score[j] + step[j]
             }
-            count[j] = count[j] + seen
+            count[j] = count[j] + seen[j]
         }
+    }
+
+    /// Max of `x` (>= 0) over the slots whose positions lie within `radius`.
+    /// Neighbours are looked up by slot offset and kept only where the positions
+    /// differ by exactly that offset (after an eviction slots are not in order).
+    public static func poolNeighbours(_ x: [Float], positions: [Int32], radius: Int) -> [Float] {
+        var out = x
+        for d in 1 ... Swift.max(radius, 1) where radius >= 1 && d < x.count {
+            for j in x.indices {
+                if j + d < x.count && Int(positions[j + d]) - Int(positions[j]) == d {
+                    out[j] = Swift.max(out[j], x[j + d])
+                }
+                if j - d >= 0 && Int(positions[j]) - Int(positions[j - d]) == d {
+                    out[j] = Swift.max(out[j], x[j - d])
+                }
+            }
+        }
+        return out
     }
 
     /// The number that ranks tokens: higher is kept.

@@ -78,7 +78,7 @@ public struct H2OSlots: Sendable {
                 H2OPolicy.foldScores(
                     mode: config.score, score: &score[r], count: &count[r], scores: scores,
                     batch: b, kvHead: h, kvHeads: kvHeads, alpha: config.emaAlpha,
-                    window: config.prefillWindow)
+                    window: config.prefillWindow, positions: positions[r], pool: config.prefillPool)
             }
         }
         let offset = ledger.offset

@@ -82,7 +82,8 @@ open class H2OKVCache: KVCache {
             sinks: sinks)
         let (s, c) = H2OPolicy.foldScores(
             mode: config.score, score: score![.ellipsis, ..<n], count: count![.ellipsis, ..<n],
-            logits: logits, lse: lse, alpha: config.emaAlpha, window: config.prefillWindow)
+            logits: logits, lse: lse, alpha: config.emaAlpha, window: config.prefillWindow,
+            positions: positions![.ellipsis, ..<n], pool: config.prefillPool)
         score![.ellipsis, ..<n] = s
         count![.ellipsis, ..<n] = c
         let keep =

@@ -8,40 +8,64 @@ extension H2OPolicy {
 
     /// Folds one attention call into the running scores.
     ///
-    /// Shapes: score, count (B, n_kv_heads, N) float32; logits (B, n_heads, L, N)
+    /// Shapes: score, count, positions (B, n_kv_heads, N); logits (B, n_heads, L, N)
     /// with masked entries -inf; lse (B, n_heads, L). `count` gains the number of
     /// queries that could see each key (visibility from the group's first head).
-    /// `window` > 0 folds only the last `window` queries.
+    /// `window` > 0 folds only the last `window` queries; `pool` > 1 max-pools a
+    /// chunk's (L > 1) contribution over keys within `pool / 2` positions.
     public static func foldScores(
         mode: ScoreMode, score: MLXArray, count: MLXArray, logits: MLXArray, lse: MLXArray,
-        alpha: Double, window: Int = 0
+        alpha: Double, window: Int = 0, positions: MLXArray? = nil, pool: Int = 0
     ) -> (MLXArray, MLXArray) {
+        let L = logits.dim(2)
         var (logits, lse) = (logits, lse)
-        if 0 < window && window < logits.dim(2) {
-            let start = logits.dim(2) - window
-            (logits, lse) = (logits[0..., 0..., start...], lse[0..., 0..., start...])
+        if 0 < window && window < L {
+            (logits, lse) = (logits[0..., 0..., (L - window)...], lse[0..., 0..., (L - window)...])
         }
-        let (B, Hq, L, N) = (logits.dim(0), logits.dim(1), logits.dim(2), logits.dim(3))
+        let (B, Hq, Lw, N) = (logits.dim(0), logits.dim(1), logits.dim(2), logits.dim(3))
         let Hk = score.dim(1)
-        let lg = logits.reshaped(B, Hk, Hq / Hk, L, N)
-        let visible = lg[0..., 0..., 0] .> -Float.infinity  // (B, Hk, L, N)
+        let lg = logits.reshaped(B, Hk, Hq / Hk, Lw, N)
+        let visible = lg[0..., 0..., 0] .> -Float.infinity  // (B, Hk, Lw, N)
         let seen = visible.asType(.float32).sum(axis: 2)  // (B, Hk, N)
-        let probs = { exp(lg - lse.reshaped(B, Hk, Hq / Hk, L, 1)) }
-        let newScore: MLXArray
+        let mag =
+            mode == .ema
+            ? which(expandedDimensions(visible, axis: 2), abs(lg), MLXArray(Float(0)))
+            : exp(lg - lse.reshaped(B, Hk, Hq / Hk, Lw, 1))
+        var step = mag.mean(axis: 2).sum(axis: 2)  // (B, Hk, N)
+        if pool > 1 && L > 1, let positions {
+            step = poolNeighbours(step, positions: positions, radius: pool / 2)
+        }
         switch mode {
         case .ema, .attentionEma:
-            let mag =
-                mode == .ema
-                ? which(expandedDimensions(visible, axis: 2), abs(lg), MLXArray(Float(0)))
-                : probs()
-            let step = mag.mean(axis: 2).sum(axis: 2) / maximum(seen, MLXArray(Float(1)))
+            step = step / maximum(seen, MLXArray(Float(1)))
             let ema = which(
                 count .> Float(0), Float(alpha) * score + Float(1.0 - alpha) * step, step)
-            newScore = which(seen .> Float(0), ema, score)
+            return (which(seen .> Float(0), ema, score), count + seen)
         case .accumulated, .normalized:
-            newScore = score + probs().mean(axis: 2).sum(axis: 2)
+            return (score + step, count + seen)
         }
-        return (newScore, count + seen)
+    }
+
+    /// Max of `x` (>= 0) over slots whose positions lie within `radius`; see the
+    /// CPU twin ``poolNeighbours(_:positions:radius:)``. Shapes: (B, n_kv_heads, N).
+    public static func poolNeighbours(_ x: MLXArray, positions: MLXArray, radius: Int) -> MLXArray {
+        let (B, Hk, N) = (x.dim(0), x.dim(1), x.dim(2))
+        let pos = positions.asType(.int32)
+        var out = x
+        for d in 1 ..< max(1, min(radius + 1, N)) {
+            let zeros = MLXArray.zeros([B, Hk, d], dtype: x.dtype)
+            let far = MLXArray.zeros([B, Hk, d], dtype: .int32)
+            // Padding positions can never be exactly d away.
+            let big = far + Int32(1 << 30)
+            let right = concatenated([x[.ellipsis, d...], zeros], axis: -1)
+            let posRight = concatenated([pos[.ellipsis, d...], big], axis: -1)
+            let left = concatenated([zeros, x[.ellipsis, ..<(N - d)]], axis: -1)
+            let posLeft = concatenated([far - Int32(1 << 30), pos[.ellipsis, ..<(N - d)]], axis: -1)
+            let zero = MLXArray(Float(0))
+            out = maximum(out, which((posRight - pos) .== d, right, zero))
+            out = maximum(out, which((pos - posLeft) .== d, left, zero))
+        }
+        return out
     }
 
     /// The number that ranks tokens: higher is kept.

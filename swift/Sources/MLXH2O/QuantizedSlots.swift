@@ -123,8 +123,15 @@ public final class QuantizedSlots: H2OSlotStorage {
     public func attention(
         queries: MLXArray, n: Int, scale: Float, mask: ScoresMask, sinks: MLXArray?
     ) -> (output: MLXArray, logits: MLXArray, lse: MLXArray) {
+        let (qk, qv) = triples(n)
+        if let fused = metalQuantizedAttention(
+            queries: queries, keys: qk, values: qv, scale: scale, bits: bits,
+            groupSize: groupSize, mask: mask, sinks: sinks)
+        {
+            return fused
+        }
         // Specification path: dequantize in float32, then the dense reference.
-        let (k, v) = fetch(n)
+        let (k, v) = (dequantize(qk), dequantize(qv))
         let (out, logits, lse) = scaledDotProductAttentionWithScores(
             queries: queries, keys: k, values: v, scale: scale, mask: mask, sinks: sinks)
         return (out.asType(queries.dtype), logits, lse)

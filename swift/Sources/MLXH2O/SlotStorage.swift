@@ -98,7 +98,7 @@ public final class DenseSlots: H2OSlotStorage {
         queries: MLXArray, n: Int, scale: Float, mask: ScoresMask, sinks: MLXArray?
     ) -> (output: MLXArray, logits: MLXArray, lse: MLXArray) {
         let (k, v) = fetch(n)
-        return scaledDotProductAttentionWithScores(
+        return attentionWithScores(
             queries: queries, keys: k, values: v, scale: scale, mask: mask, sinks: sinks)
     }
 

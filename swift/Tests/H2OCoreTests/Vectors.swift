@@ -10,13 +10,14 @@ enum Vectors {
 
     static let format = "mlx-h2o-swift-vectors/1"
 
-    /// Names of the stream files (every vector file but config_cases.json).
+    /// Names of the stream files (every vector file but the config and kernel ones).
     static var streamNames: [String] {
         let files = (try? FileManager.default.contentsOfDirectory(atPath: folder.path)) ?? []
-        return files.filter { $0.hasSuffix(".json") && $0 != "config_cases.json" }.sorted()
+        let others: Set = ["config_cases.json", "metal_kernels.json"]
+        return files.filter { $0.hasSuffix(".json") && !others.contains($0) }.sorted()
     }
 
-    static func load(_ name: String) throws -> [String: Any] {
+    static func load(_ name: String, format: String = format) throws -> [String: Any] {
         let data = try Data(contentsOf: folder.appendingPathComponent(name))
         guard let doc = try JSONSerialization.jsonObject(with: data) as? [String: Any],
             doc["format"] as? String == format

@@ -1,0 +1,69 @@
+// Launch plans of the decode attention kernels (mirrors mlx_h2o/kernels/decode.py).
+
+/// How one block maps a (sequence, KV head, row tile) onto threads.
+public struct LaunchLayout: Equatable, Sendable {
+    /// Query rows per block (divides G * L).
+    public let rows: Int
+    /// Row tiles per KV head.
+    public let rowTiles: Int
+    /// Lanes per key.
+    public let lanesPerKey: Int
+    /// Elements per lane.
+    public let elementsPerLane: Int
+    /// Keys per tile.
+    public let tile: Int
+
+    /// The layout for head dim `D`, element size `itemSize` bytes, GQA group `G`, `L` queries.
+    public init(D: Int, itemSize: Int, G: Int, L: Int) {
+        let vec = 16 / itemSize  // elements per 16-byte load
+        let lanes = max(1, (D + vec - 1) / vec)
+        var tpk = 1
+        while tpk < lanes { tpk <<= 1 }  // next power of two
+        tpk = min(32, tpk)
+        var epl = (D + tpk - 1) / tpk
+        epl = (epl + vec - 1) / vec * vec
+        let all = G * L
+        let r = (1 ... KernelConstants.maxRows).last { all % $0 == 0 }!
+        rows = r
+        rowTiles = all / r
+        lanesPerKey = tpk
+        elementsPerLane = epl
+        tile = (KernelConstants.threadsPerBlock / tpk) * KernelConstants.keysPerLaneGroup
+    }
+
+    /// Template constants shared by both passes (`T` is added by the caller).
+    public func template(D: Int, L: Int, G: Int, kvHeads: Int) -> [(String, Int)] {
+        [
+            ("D", D), ("R", rows), ("L", L), ("G", G), ("HK", kvHeads), ("TPK", lanesPerKey),
+            ("EPL", elementsPerLane), ("U", KernelConstants.keysPerLaneGroup),
+        ]
+    }
+}
+
+/// Key splits per (sequence, KV head, row tile): fill the GPU, keep splits long.
+public func chooseSplits(keys N: Int, units: Int, tile: Int) -> Int {
+    if N <= KernelConstants.singlePassMaxN { return 1 }
+    let byLength = (N + max(KernelConstants.minSplitKeys, tile) - 1) / max(KernelConstants.minSplitKeys, tile)
+    let byFill = (KernelConstants.targetBlocks + units - 1) / units
+    return max(1, min(byLength, byFill, KernelConstants.maxSplits))
+}
+
+/// The kernel's view of an array mask: kind and head mode (0 broadcast, 1 per
+/// query head, 2 per KV head), or nil where the kernels do not take it.
+/// `shape` is the mask's shape; `isBool` / `isFloat` its dtype class
+/// (float16, bfloat16, float32 count as float).
+public func kernelMask(
+    shape: [Int], isBool: Bool, isFloat: Bool, B: Int, heads Hq: Int, kvHeads Hk: Int, L: Int,
+    N: Int
+) -> (kind: KernelMask, headMode: Int)? {
+    guard (1 ... 4).contains(shape.count) else { return nil }
+    let s = Array(repeating: 1, count: 4 - shape.count) + shape
+    guard [1, B].contains(s[0]), [1, L].contains(s[2]), [1, N].contains(s[3]) else { return nil }
+    // decode.py's {Hq: 1, Hk: 2, 1: 0}: on equal sizes the later entry wins.
+    let mode: Int
+    if s[1] == 1 { mode = 0 } else if s[1] == Hk { mode = 2 } else if s[1] == Hq { mode = 1 } else {
+        return nil
+    }
+    if isBool { return (.bool, mode) }
+    return isFloat ? (.add, mode) : nil
+}
