@@ -46,9 +46,10 @@ def attention_pieces() -> dict:
 
 def quantized_pieces() -> dict:
     pieces = {
-        "QHEADER": qgpu.QHEADER, "BODY": qgpu.BODY.template,
+        "QHEADER": qgpu.QHEADER, "BODY": qgpu.BODY.template, "MERGE": qgpu.MERGE.template,
         "SEG1_QDOT": qgpu.SEG1_QDOT, "SEG1_QAXPY": qgpu.SEG1_QAXPY,
         "MASK_SETUP": qgpu.MASK_SETUP, "SINK_MAX": qgpu.SINK_MAX, "SINK_SUM": qgpu.SINK_SUM,
+        "WRITE_FINAL": qgpu.WRITE_FINAL, "WRITE_PARTIAL": qgpu.WRITE_PARTIAL,
     }
     pieces.update({f"MASK_APPLY_{k}": v for k, v in qgpu.MASK_APPLY.items()})
     return pieces
@@ -62,6 +63,9 @@ def constants() -> dict:
         "singlePassMaxN": decode.SINGLE_PASS_MAX_N,
         "fusedMaxGroup": h2o_step.FUSED_MAX_GROUP,
         "quantizedThreadsPerBlock": qgpu.NT, "quantizedMaxL": qgpu.MAX_L,
+        "quantizedSinglePassN": qgpu.SINGLE_PASS_N,
+        "quantizedMinSplitKeys": qgpu.MIN_SPLIT_KEYS,
+        "quantizedTargetBlocks": qgpu.TARGET_BLOCKS, "quantizedMaxSplits": qgpu.MAX_SPLITS,
     }
 
 
@@ -119,10 +123,11 @@ def variants() -> list:
     for sinks, fused in product((False, True), (False, True)):
         header, body = build.pass2_source("metal", sinks, fused)
         out.append(variant("pass2", dict(sinks=sinks, fused=fused), header, body, *build.pass2_names(sinks, fused)))
-    for mask, sinks, two in product(build.MASK_KINDS, (False, True), (False, True)):
-        header, body, inputs = qgpu.kernel_source("metal", mask, sinks, two)
-        flags = dict(mask=mask, sinks=sinks, two=two)
-        out.append(variant("quantized", flags, header, body, inputs, ["out", "logits", "lse"]))
+    for mask, sinks, two, split in product(build.MASK_KINDS, *[(False, True)] * 3):
+        flags = dict(mask=mask, sinks=sinks, two=two, split=split)
+        out.append(variant("quantized", flags, *qgpu.kernel_source("metal", mask, sinks, two, split)))
+    for sinks in (False, True):
+        out.append(variant("quantized_merge", dict(sinks=sinks), *qgpu.merge_source("metal", sinks)))
     return out
 
 
@@ -157,10 +162,17 @@ def mask_modes() -> list:
     return rows
 
 
+def quantized_splits() -> list:
+    return [
+        dict(N=N, rows=rows, S=qgpu.choose_splits(N, rows))
+        for N, rows in product((1, 256, 257, 1000, 4096, 32768), (1, 8, 64, 600))
+    ]
+
+
 def kernels_json() -> str:
     doc = {
         "format": FORMAT, "variants": variants(), "layouts": layouts(), "splits": splits(),
-        "mask_modes": mask_modes(),
+        "mask_modes": mask_modes(), "quantized_splits": quantized_splits(),
     }
     return json.dumps(doc, separators=(",", ":")) + "\n"
 

@@ -548,8 +548,14 @@ $IDS
   const int n0 = k0w_shape[2];
   const int n1 = $N1;
   const int N = n0 + n1;
-  const float scale = prm_f[0];
+  const float scale = H2O_I2F(SCALE_BITS);  // a template constant: no per-call upload
   const i64 lrow = (i64)row * N;
+  // Split `split` of S owns keys [lo, hi); S == 1 is the single pass.
+  const int S = n_blk_y;
+  const int split = blk_y;
+  const int chunk = (N + S - 1) / S;
+  const int lo = split * chunk;
+  const int hi = H2O_MIN(N, lo + chunk);
 
   H2O_SHARED float qs[D];
   H2O_SHARED float red_m[NW];
@@ -565,7 +571,7 @@ $MASK_SETUP
   // (1) logits, thread per key.
   float m_run = -H2O_INF;
   float l_run = 0.0f;
-  for (int n = tid; n < N; n += $NT) {
+  for (int n = lo + tid; n < hi; n += $NT) {
     float dot;
     if (n < n0) {
       dot = h2o_qdot<B0, D, GS>(
@@ -612,19 +618,18 @@ $SINK_MAX
   }
 $SINK_SUM
   const float lse_v = H2O_LOG(lsum) + shift;
-  if (tid == 0) lse[row] = lse_v;
 
   // (3) out = sum_n exp(logit_n - lse) v_n, a warp per key, U keys in flight.
   constexpr int U = 4;
   float acc[PER];
   H2O_UNROLL
   for (int e = 0; e < PER; ++e) acc[e] = 0.0f;
-  for (int n0u = warp; n0u < N; n0u += NW * U) {
+  for (int n0u = lo + warp; n0u < hi; n0u += NW * U) {
     float p[U];
     H2O_UNROLL
     for (int u = 0; u < U; ++u) {
       const int n = n0u + u * NW;
-      const float x = n < N ? logits[lrow + n] : -H2O_INF;
+      const float x = n < hi ? logits[lrow + n] : -H2O_INF;
       p[u] = x == -H2O_INF ? 0.0f : H2O_EXP(x - lse_v);
     }
     H2O_UNROLL
@@ -648,7 +653,7 @@ $SEG1_QAXPY
   for (int d = tid; d < D; d += $NT) {
     float s = 0.0f;
     for (int w = 0; w < NW; ++w) s += o_s[w * D + d];
-    out[(i64)row * D + d] = static_cast<T>(s);
+$WRITE
   }
 
 """#,
@@ -681,7 +686,41 @@ $SEG1_QAXPY
     moff = b * st[0] + head * st[1] + l * st[2];
   }
 """#,
+        "MERGE": #"""
+
+$IDS
+  const int row = blk_x;
+  const int hq = (row / q_shape[2]) % q_shape[1];
+  const int S = part_lse_shape[1];
+  float M = -H2O_INF;
+  for (int s = 0; s < S; ++s) M = H2O_FMAX(M, part_lse[(i64)row * S + s]);
+$SINK_MAX
+  const float shift = M == -H2O_INF ? 0.0f : M;
+  float lsum = 0.0f;
+  for (int s = 0; s < S; ++s) {
+    const float x = part_lse[(i64)row * S + s];
+    lsum += x == -H2O_INF ? 0.0f : H2O_EXP(x - shift);
+  }
+$SINK_SUM
+  const float inv = 1.0f / (lsum > 0.0f ? lsum : 1.0f);
+  for (int d = tid; d < D; d += $NT) {
+    float o = 0.0f;
+    for (int s = 0; s < S; ++s) {
+      const float x = part_lse[(i64)row * S + s];
+      if (x > -H2O_INF) o += part_o[((i64)row * S + s) * D + d] * H2O_EXP(x - shift);
+    }
+    out[(i64)row * D + d] = static_cast<T>(o * inv);
+  }
+  if (tid == 0) lse[row] = H2O_LOG(lsum) + shift;
+
+"""#,
         "QHEADER": #"""
+
+#if defined(__METAL_VERSION__)
+#define H2O_I2F(x) as_type<float>(x)
+#else
+#define H2O_I2F(x) __int_as_float(x)
+#endif
 
 // Dot of the shared query row with one packed key row; dequantized in registers.
 template <int BITS, int D, int GS, typename W, typename S, typename Q>
@@ -746,6 +785,14 @@ H2O_FN void h2o_qaxpy(W w, S sc, S bz, i64 gst, int lane, float p, H2O_THREAD fl
         "SINK_SUM": #"""
   lsum += H2O_EXP(sink - shift);
 """#,
+        "WRITE_FINAL": #"""
+    out[(i64)row * D + d] = static_cast<T>(s);
+    if (d == 0) lse[row] = lse_v;
+"""#,
+        "WRITE_PARTIAL": #"""
+    part_o[((i64)row * S + split) * D + d] = s;
+    if (d == 0) part_lse[(i64)row * S + split] = lse_v;
+"""#,
     ]
 
 }
@@ -762,6 +809,10 @@ public enum KernelConstants {
     public static let fusedMaxGroup = 8
     public static let quantizedThreadsPerBlock = 256
     public static let quantizedMaxL = 8
+    public static let quantizedSinglePassN = 256
+    public static let quantizedMinSplitKeys = 128
+    public static let quantizedTargetBlocks = 528
+    public static let quantizedMaxSplits = 128
     public static let scoreModes = ["ema", "accumulated", "normalized", "attention_ema"]
     public static let quantizedHeadDims = [64, 96, 128, 256]
 }

@@ -48,6 +48,16 @@ public func chooseSplits(keys N: Int, units: Int, tile: Int) -> Int {
     return max(1, min(byLength, byFill, KernelConstants.maxSplits))
 }
 
+/// Key splits per row of the quantized attention: one pass up to
+/// `quantizedSinglePassN` keys, else enough blocks to fill the GPU with at least
+/// `quantizedMinSplitKeys` keys per split (quantized_gpu.py).
+public func chooseQuantizedSplits(keys N: Int, rows: Int) -> Int {
+    if N <= KernelConstants.quantizedSinglePassN { return 1 }
+    let byLength = N / KernelConstants.quantizedMinSplitKeys
+    let byFill = (KernelConstants.quantizedTargetBlocks + rows - 1) / rows
+    return max(1, min(byLength, byFill, KernelConstants.quantizedMaxSplits))
+}
+
 /// The kernel's view of an array mask: kind and head mode (0 broadcast, 1 per
 /// query head, 2 per KV head), or nil where the kernels do not take it.
 /// `shape` is the mask's shape; `isBool` / `isFloat` its dtype class

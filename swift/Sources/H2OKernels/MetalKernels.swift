@@ -72,9 +72,13 @@ public enum MetalKernels {
         return variant("h2o_attn2_\(bit(sinks))\(bit(fused))", inputs, outputs, p["METAL_HEADER"]!, body)
     }
 
-    /// The fused attention over quantized K/V (one or `two` precision segments).
-    public static func quantized(mask: KernelMask, sinks: Bool, two: Bool) -> KernelVariant {
+    /// Pass 1 of the fused attention over quantized K/V (one or `two` precision
+    /// segments; `split`: partials for ``quantizedMerge(sinks:)``, which then takes the sinks).
+    public static func quantized(mask: KernelMask, sinks: Bool, two: Bool, split: Bool = false)
+        -> KernelVariant
+    {
         let q = KernelSource.quantized
+        let ownSinks = sinks && !split
         let body = substitute(
             q["BODY"]!,
             [
@@ -85,19 +89,35 @@ public enum MetalKernels {
                 "SEG1_QAXPY": two ? q["SEG1_QAXPY"]! : "",
                 "MASK_SETUP": mask.isArray ? q["MASK_SETUP"]! : "",
                 "MASK_APPLY": q["MASK_APPLY_\(mask.rawValue)"]!,
+                "SINK_MAX": ownSinks ? q["SINK_MAX"]! : "",
+                "SINK_SUM": ownSinks ? q["SINK_SUM"]! : "",
+                "WRITE": split ? q["WRITE_PARTIAL"]! : q["WRITE_FINAL"]!,
+            ])
+        var inputs = ["q"]
+        for i in two ? [0, 1] : [0] {
+            for x in ["k", "v"] { inputs += ["w", "s", "b"].map { "\(x)\(i)\($0)" } }
+        }
+        inputs += (mask.isArray ? ["mask"] : []) + (ownSinks ? ["sinks"] : [])
+        let outputs = split ? ["logits", "part_o", "part_lse"] : ["out", "logits", "lse"]
+        let header = KernelSource.attention["METAL_HEADER"]! + q["QHEADER"]!
+        let flags = "\(mask.rawValue)_\(bit(sinks))\(bit(two))\(bit(split))"
+        return variant("h2o_qattn_\(flags)", inputs, outputs, header, body)
+    }
+
+    /// Merges the key splits of the quantized attention (a block per row).
+    public static func quantizedMerge(sinks: Bool) -> KernelVariant {
+        let q = KernelSource.quantized
+        let body = substitute(
+            q["MERGE"]!,
+            [
+                "IDS": KernelSource.attention["METAL_IDS"]!,
+                "NT": String(KernelConstants.quantizedThreadsPerBlock),
                 "SINK_MAX": sinks ? q["SINK_MAX"]! : "",
                 "SINK_SUM": sinks ? q["SINK_SUM"]! : "",
             ])
-        let segments = two ? [0, 1] : [0]
-        var inputs = ["q"]
-        for i in segments {
-            for x in ["k", "v"] { inputs += ["w", "s", "b"].map { "\(x)\(i)\($0)" } }
-        }
-        inputs += ["prm_f"] + (mask.isArray ? ["mask"] : []) + (sinks ? ["sinks"] : [])
-        let header = KernelSource.attention["METAL_HEADER"]! + q["QHEADER"]!
         return variant(
-            "h2o_qattn_\(mask.rawValue)_\(bit(sinks))\(bit(two))", inputs, ["out", "logits", "lse"],
-            header, body)
+            "h2o_qattn_merge_\(bit(sinks))", ["q", "part_o", "part_lse"] + (sinks ? ["sinks"] : []),
+            ["out", "lse"], KernelSource.attention["METAL_HEADER"]!, body)
     }
 
     /// FNV-1a 64 of the UTF-8 bytes, as hex (the generator's check hash).

@@ -18,17 +18,19 @@ struct KernelTests {
                 split: v.d["split"] as! Bool, fused: v.d["fused"] as! Bool)
         case "pass2":
             return MetalKernels.pass2(sinks: sinks, fused: v.d["fused"] as! Bool)
+        case "quantized_merge":
+            return MetalKernels.quantizedMerge(sinks: sinks)
         default:
             return MetalKernels.quantized(
                 mask: KernelMask(rawValue: try v.string("mask"))!, sinks: sinks,
-                two: v.d["two"] as! Bool)
+                two: v.d["two"] as! Bool, split: v.d["split"] as! Bool)
         }
     }
 
     @Test("every variant: same header, body and argument names as Python")
     func variants() throws {
         let variants = try doc.records("variants")
-        #expect(variants.count == 32 + 4 + 16)  // pass 1, pass 2, quantized
+        #expect(variants.count == 32 + 4 + 32 + 2)  // pass 1, pass 2, quantized, merge
         for v in variants {
             let k = try assemble(v)
             let at = "\(v.d)".prefix(80)
@@ -51,6 +53,10 @@ struct KernelTests {
         }
         for r in try doc.records("splits") {
             let s = chooseSplits(keys: try r.int("N"), units: try r.int("units"), tile: try r.int("tile"))
+            #expect(s == (try r.int("S")), "\(r.d)")
+        }
+        for r in try doc.records("quantized_splits") {
+            let s = chooseQuantizedSplits(keys: try r.int("N"), rows: try r.int("rows"))
             #expect(s == (try r.int("S")), "\(r.d)")
         }
         for r in try doc.records("mask_modes") {
