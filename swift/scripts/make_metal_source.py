@@ -134,9 +134,9 @@ def variants() -> list:
 def layouts() -> list:
     rows = []
     for D, itemsize, G, L in product((64, 80, 96, 128, 256), (2, 4), (1, 4, 6, 8), (1, 3, 8)):
-        lay = decode.layout(D, itemsize, G, L)
+        lay = decode.layout(D, itemsize, G, L, decode.KEYS_PER_LANE_GROUP)
         rows.append(dict(D=D, itemsize=itemsize, G=G, L=L, R=lay.R, RT=lay.RT,
-                         TPK=lay.TPK, EPL=lay.EPL, tile=lay.tile))
+                         TPK=lay.TPK, EPL=lay.EPL, U=lay.U, tile=lay.tile))
     return rows
 
 

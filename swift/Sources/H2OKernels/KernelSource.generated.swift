@@ -128,13 +128,13 @@ const int kpos = key == w ? Q : pos_in[pbase + key * pst];
 
 """#,
         "MASK_ADD": #"""
-x += static_cast<float>(mask[moff[r] + (i64)key * mst3]);
+x_ += static_cast<float>(mask[moff[r] + (i64)key * mst3]);
 """#,
         "MASK_BOOL": #"""
-if (!mask[moff[r] + (i64)key * mst3]) x = -H2O_INF;
+if (!mask[moff[r] + (i64)key * mst3]) x_ = -H2O_INF;
 """#,
         "MASK_CAUSAL": #"""
-if (key > N - L + H2O_ROW_L(r)) x = -H2O_INF;
+if (key > N - L + H2O_ROW_L(r)) x_ = -H2O_INF;
 """#,
         "MASK_SETUP": #"""
 
@@ -158,7 +158,7 @@ if (key > N - L + H2O_ROW_L(r)) x = -H2O_INF;
 
 """#,
         "MASK_WINDOW": #"""
-if (window > 0 && kpos <= Q - window) x = -H2O_INF;
+if (window > 0 && kpos <= Q - window) x_ = -H2O_INF;
 """#,
         "METAL_HEADER": #"""
 
@@ -225,11 +225,8 @@ H2O_FN void h2o_cvt(thread const H2ORaw<T, E>& r, thread float* out) {
 
 $IDS
   constexpr int NT = 128;
-  constexpr int NW = NT / 32;
   constexpr int NG = NT / TPK;      // key groups per block
-  constexpr int TILE = NG * U;      // keys per tile
-  constexpr int TPL = TILE / 32;    // tile entries per lane in the softmax step
-  constexpr int RPW = (R + NW - 1) / NW;
+  constexpr int STEP = NG * U;      // keys per block iteration
   constexpr int RT = G * L / R;     // row tiles per KV head
 
   const int grp = tid / TPK;
@@ -243,7 +240,7 @@ $IDS
   const int S = n_blk_y;
   const int split = blk_y;
   int chunk = (N + S - 1) / S;
-  chunk = (chunk + TILE - 1) / TILE * TILE;
+  chunk = (chunk + STEP - 1) / STEP * STEP;
   const int n0 = split * chunk;
   const int n1 = H2O_MIN(N, n0 + chunk);
   const float scale = prm_f[0];
@@ -273,165 +270,133 @@ $FUSED_SETUP
   const bool vvec = v_strides[3] == 1 && H2O_ALIGNED16(v) && v_strides[0] % VEC == 0
       && v_strides[1] % VEC == 0 && vs % VEC == 0;
 
-  H2O_SHARED float lg_s[R][TILE];
-  H2O_SHARED float a_s[R];
+  H2O_SHARED float gm_s[NG * R];
+  H2O_SHARED float gl_s[NG * R];
   H2O_SHARED float m_s[R];
   H2O_SHARED float l_s[R];
   H2O_SHARED float red[NT * EPL];
 
-  // Running max / sum of the rows this warp owns (rows warp, warp + NW, ...).
-  float m_run[RPW];
-  float l_run[RPW];
-  H2O_UNROLL
-  for (int i = 0; i < RPW; ++i) {
-    m_run[i] = -H2O_INF;
-    l_run[i] = 0.0f;
-$SINK_INIT
-  }
+  // Each key group runs its own online softmax over its keys (no block
+  // barriers in the loop); groups merge once at the end.
+  float m_run[R];
+  float l_run[R];
   float acc[R][EPL];
   H2O_UNROLL
   for (int r = 0; r < R; ++r) {
+    m_run[r] = -H2O_INF;
+    l_run[r] = 0.0f;
+$SINK_INIT
     H2O_UNROLL
     for (int e = 0; e < EPL; ++e) acc[r][e] = 0.0f;
   }
 
-  for (int t0 = n0; t0 < n1; t0 += TILE) {
-    // (1) logits of the tile: each key group dots U keys with all R rows.
-    {
-      H2ORaw<T, EPL> kr[U];
-      H2O_UNROLL
-      for (int u = 0; u < U; ++u) {
-        const int key = t0 + u * NG + grp;
-        if (key < n1 && lane_on) {
-          h2o_fetch<EPL>(k + kbase + key * ks, k_strides[3], kvec, kr[u]);
-        } else {
-          h2o_zero<EPL>(kr[u]);
-        }
-      }
-      H2O_UNROLL
-      for (int u = 0; u < U; ++u) {
-        const int key = t0 + u * NG + grp;
-        float kf[EPL];
-        h2o_cvt<EPL>(kr[u], kf);
-        float dot[R];
-        H2O_UNROLL
-        for (int r = 0; r < R; ++r) {
-          float s = 0.0f;
-          H2O_UNROLL
-          for (int e = 0; e < EPL; ++e) s += qf[r][e] * kf[e];
-          dot[r] = s;
-        }
-        H2O_UNROLL
-        for (int off = TPK / 2; off > 0; off >>= 1) {
-          H2O_UNROLL
-          for (int r = 0; r < R; ++r) dot[r] += H2O_SHFL_XOR(dot[r], off);
-        }
-        if (key < n1) {
-$FUSED_KPOS
-          H2O_UNROLL
-          for (int r = 0; r < R; ++r) {
-            if (r % TPK == li) {
-              float x = dot[r] * scale;
-$MASK_APPLY
-              lg_s[r][u * NG + grp] = x;
-            }
-          }
-        } else {
-          H2O_UNROLL
-          for (int r = 0; r < R; ++r) {
-            if (r % TPK == li) lg_s[r][u * NG + grp] = -H2O_INF;
-          }
-        }
-      }
-    }
-    H2O_BARRIER();
-
-    // (2) online softmax per row (a warp per row); logits go out coalesced.
+  for (int base = n0; base < n1; base += STEP) {
+    // K and V rows of this iteration go out together: one memory round trip.
+    H2ORaw<T, EPL> kr[U];
+    H2ORaw<T, EPL> vr[U];
     H2O_UNROLL
-    for (int i = 0; i < RPW; ++i) {
-      const int r = warp + i * NW;
-      if (r < R) {
-        float x[TPL];
-        float mx = -H2O_INF;
-        H2O_UNROLL
-        for (int j = 0; j < TPL; ++j) {
-          x[j] = lg_s[r][lane + 32 * j];
-          mx = H2O_FMAX(mx, x[j]);
-        }
-        H2O_UNROLL
-        for (int off = 16; off > 0; off >>= 1) mx = H2O_FMAX(mx, H2O_SHFL_XOR(mx, off));
-        const i64 lrow = ((i64)(b * HK * G + H2O_ROW_HQ(r)) * L + H2O_ROW_L(r)) * N;
-        H2O_UNROLL
-        for (int j = 0; j < TPL; ++j) {
-          const int key = t0 + lane + 32 * j;
-          if (key < n1) logits[lrow + key] = x[j];
-        }
-        const float m_new = H2O_FMAX(m_run[i], mx);
-        const float shift = m_new == -H2O_INF ? 0.0f : m_new;
-        float ps = 0.0f;
-        H2O_UNROLL
-        for (int j = 0; j < TPL; ++j) {
-          const float p = H2O_EXP(x[j] - shift);
-          lg_s[r][lane + 32 * j] = p;
-          ps += p;
-        }
-        H2O_UNROLL
-        for (int off = 16; off > 0; off >>= 1) ps += H2O_SHFL_XOR(ps, off);
-        const float alpha = m_run[i] == -H2O_INF ? 0.0f : H2O_EXP(m_run[i] - m_new);
-        l_run[i] = l_run[i] * alpha + ps;
-        m_run[i] = m_new;
-        if (lane == 0) a_s[r] = alpha;
+    for (int u = 0; u < U; ++u) {
+      const int key = base + u * NG + grp;
+      if (key < n1 && lane_on) {
+        h2o_fetch<EPL>(k + kbase + key * ks, k_strides[3], kvec, kr[u]);
+        h2o_fetch<EPL>(v + vbase + key * vs, v_strides[3], vvec, vr[u]);
+      } else {
+        h2o_zero<EPL>(kr[u]);
+        h2o_zero<EPL>(vr[u]);
       }
     }
-    H2O_BARRIER();
-
-    // (3) rescale and accumulate p * V over the tile.
-    {
-      H2ORaw<T, EPL> vr[U];
-      H2O_UNROLL
-      for (int u = 0; u < U; ++u) {
-        const int key = t0 + u * NG + grp;
-        if (key < n1 && lane_on) {
-          h2o_fetch<EPL>(v + vbase + key * vs, v_strides[3], vvec, vr[u]);
-        } else {
-          h2o_zero<EPL>(vr[u]);
-        }
-      }
+    // Logits of U keys for every row; every lane of the group ends with all.
+    float x[R][U];
+    H2O_UNROLL
+    for (int u = 0; u < U; ++u) {
+      const int key = base + u * NG + grp;
+      float kf[EPL];
+      h2o_cvt<EPL>(kr[u], kf);
       H2O_UNROLL
       for (int r = 0; r < R; ++r) {
-        const float a = a_s[r];
+        float s = 0.0f;
         H2O_UNROLL
-        for (int e = 0; e < EPL; ++e) acc[r][e] *= a;
+        for (int e = 0; e < EPL; ++e) s += qf[r][e] * kf[e];
+        x[r][u] = s;
       }
       H2O_UNROLL
-      for (int u = 0; u < U; ++u) {
-        float vf[EPL];
-        h2o_cvt<EPL>(vr[u], vf);
+      for (int off = TPK / 2; off > 0; off >>= 1) {
+        H2O_UNROLL
+        for (int r = 0; r < R; ++r) x[r][u] += H2O_SHFL_XOR(x[r][u], off);
+      }
+      if (key < n1) {
+$FUSED_KPOS
         H2O_UNROLL
         for (int r = 0; r < R; ++r) {
-          const float p = lg_s[r][u * NG + grp];
-          H2O_UNROLL
-          for (int e = 0; e < EPL; ++e) acc[r][e] += p * vf[e];
+          float x_ = x[r][u] * scale;
+$MASK_APPLY
+          x[r][u] = x_;
+          if (r % TPK == li) {
+            logits[((i64)(b * HK * G + H2O_ROW_HQ(r)) * L + H2O_ROW_L(r)) * N + key] = x_;
+          }
         }
+      } else {
+        H2O_UNROLL
+        for (int r = 0; r < R; ++r) x[r][u] = -H2O_INF;
       }
     }
-    H2O_BARRIER();
+    // Online softmax update, then p * V.
+    H2O_UNROLL
+    for (int r = 0; r < R; ++r) {
+      float mx = x[r][0];
+      H2O_UNROLL
+      for (int u = 1; u < U; ++u) mx = H2O_FMAX(mx, x[r][u]);
+      const float m_new = H2O_FMAX(m_run[r], mx);
+      const float shift = m_new == -H2O_INF ? 0.0f : m_new;
+      const float alpha = m_run[r] == -H2O_INF ? 0.0f : H2O_EXP(m_run[r] - m_new);
+      float ps = 0.0f;
+      H2O_UNROLL
+      for (int u = 0; u < U; ++u) {
+        x[r][u] = H2O_EXP(x[r][u] - shift);
+        ps += x[r][u];
+      }
+      l_run[r] = l_run[r] * alpha + ps;
+      m_run[r] = m_new;
+      H2O_UNROLL
+      for (int e = 0; e < EPL; ++e) acc[r][e] *= alpha;
+    }
+    H2O_UNROLL
+    for (int u = 0; u < U; ++u) {
+      float vf[EPL];
+      h2o_cvt<EPL>(vr[u], vf);
+      H2O_UNROLL
+      for (int r = 0; r < R; ++r) {
+        H2O_UNROLL
+        for (int e = 0; e < EPL; ++e) acc[r][e] += x[r][u] * vf[e];
+      }
+    }
   }
 
-  // Row statistics to shared memory, then sum acc over the key groups.
-  H2O_UNROLL
-  for (int i = 0; i < RPW; ++i) {
-    const int r = warp + i * NW;
-    if (r < R && lane == 0) {
-      m_s[r] = m_run[i];
-      l_s[r] = l_run[i];
+  // Merge the groups: row max over groups, each group's sum rescaled to it.
+  if (li == 0) {
+    H2O_UNROLL
+    for (int r = 0; r < R; ++r) {
+      gm_s[grp * R + r] = m_run[r];
+      gl_s[grp * R + r] = l_run[r];
     }
   }
   H2O_UNROLL
   for (int r = 0; r < R; ++r) {
     H2O_BARRIER();
+    float M = -H2O_INF;
+    for (int j = 0; j < NG; ++j) M = H2O_FMAX(M, gm_s[j * R + r]);
+    const float mine = m_run[r] == -H2O_INF ? 0.0f : H2O_EXP(m_run[r] - M);
     H2O_UNROLL
-    for (int e = 0; e < EPL; ++e) red[tid * EPL + e] = acc[r][e];
+    for (int e = 0; e < EPL; ++e) red[tid * EPL + e] = acc[r][e] * mine;
+    if (tid == 0) {
+      float lsum = 0.0f;
+      for (int j = 0; j < NG; ++j) {
+        const float mj = gm_s[j * R + r];
+        lsum += mj == -H2O_INF ? 0.0f : gl_s[j * R + r] * H2O_EXP(mj - M);
+      }
+      m_s[r] = M;
+      l_s[r] = lsum;
+    }
     H2O_BARRIER();
     for (int d = tid; d < D; d += NT) {
       float s = 0.0f;
@@ -497,9 +462,9 @@ $TAIL
 """#,
         "SINK_INIT_PASS1": #"""
 
-    if (warp + i * NW < R) {
-      m_run[i] = static_cast<float>(sinks[H2O_ROW_HQ(warp + i * NW)]);
-      l_run[i] = 1.0f;
+    if (grp == 0) {  // the sink column counts once, in group 0
+      m_run[r] = static_cast<float>(sinks[H2O_ROW_HQ(r)]);
+      l_run[r] = 1.0f;
     }
 
 """#,
@@ -800,7 +765,7 @@ H2O_FN void h2o_qaxpy(W w, S sc, S bz, i64 gst, int lane, float p, H2O_THREAD fl
 /// Launch constants of the Python dispatchers.
 public enum KernelConstants {
     public static let threadsPerBlock = 128
-    public static let keysPerLaneGroup = 8
+    public static let keysPerLaneGroup = 0
     public static let maxRows = 8
     public static let maxSplits = 256
     public static let targetBlocks = 512

@@ -10,11 +10,15 @@ public struct LaunchLayout: Equatable, Sendable {
     public let lanesPerKey: Int
     /// Elements per lane.
     public let elementsPerLane: Int
-    /// Keys per tile.
+    /// Keys each lane group loads per iteration (U).
+    public let keysPerLaneGroup: Int
+    /// Keys per block iteration (splits are multiples of it).
     public let tile: Int
 
-    /// The layout for head dim `D`, element size `itemSize` bytes, GQA group `G`, `L` queries.
-    public init(D: Int, itemSize: Int, G: Int, L: Int) {
+    /// The layout for head dim `D`, element size `itemSize` bytes, GQA group `G`,
+    /// `L` queries; `U` 0 picks 8 keys per lane group, or 4 where R * EPL > 32
+    /// (q and acc hold 2 * R * EPL floats; U keys of K and V add 8 * U registers).
+    public init(D: Int, itemSize: Int, G: Int, L: Int, U: Int = KernelConstants.keysPerLaneGroup) {
         let vec = 16 / itemSize  // elements per 16-byte load
         let lanes = max(1, (D + vec - 1) / vec)
         var tpk = 1
@@ -28,14 +32,15 @@ public struct LaunchLayout: Equatable, Sendable {
         rowTiles = all / r
         lanesPerKey = tpk
         elementsPerLane = epl
-        tile = (KernelConstants.threadsPerBlock / tpk) * KernelConstants.keysPerLaneGroup
+        keysPerLaneGroup = U != 0 ? U : (r * epl <= 32 ? 8 : 4)
+        tile = (KernelConstants.threadsPerBlock / tpk) * keysPerLaneGroup
     }
 
     /// Template constants shared by both passes (`T` is added by the caller).
     public func template(D: Int, L: Int, G: Int, kvHeads: Int) -> [(String, Int)] {
         [
             ("D", D), ("R", rows), ("L", L), ("G", G), ("HK", kvHeads), ("TPK", lanesPerKey),
-            ("EPL", elementsPerLane), ("U", KernelConstants.keysPerLaneGroup),
+            ("EPL", elementsPerLane), ("U", keysPerLaneGroup),
         ]
     }
 }

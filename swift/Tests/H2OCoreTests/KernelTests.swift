@@ -48,8 +48,9 @@ struct KernelTests {
         for r in try doc.records("layouts") {
             let lay = LaunchLayout(
                 D: try r.int("D"), itemSize: try r.int("itemsize"), G: try r.int("G"), L: try r.int("L"))
-            let want = [try r.int("R"), try r.int("RT"), try r.int("TPK"), try r.int("EPL"), try r.int("tile")]
-            #expect([lay.rows, lay.rowTiles, lay.lanesPerKey, lay.elementsPerLane, lay.tile] == want, "\(r.d)")
+            let want = try ["R", "RT", "TPK", "EPL", "U", "tile"].map { try r.int($0) }
+            let got = [lay.rows, lay.rowTiles, lay.lanesPerKey, lay.elementsPerLane, lay.keysPerLaneGroup, lay.tile]
+            #expect(got == want, "\(r.d)")
         }
         for r in try doc.records("splits") {
             let s = chooseSplits(keys: try r.int("N"), units: try r.int("units"), tile: try r.int("tile"))
