@@ -108,6 +108,18 @@ def test_trim_recent_tokens():
     assert kept_positions(cache).max() == 26 and cache.offset == 27
 
 
+def test_trim_on_window_layer_smaller_than_recent_window():
+    cfg = H2OConfig(max_size=12, sink_size=2, heavy_budget=2)  # recent 8 > window 5
+    rng, cache = np.random.default_rng(5), H2OKVCache(cfg, window_size=5)
+    for L in [20] + [1] * 6:
+        step(cache, L, rng)
+    before = kept_positions(cache)
+    assert cache.trim(8) == 5 and cache.offset == 21
+    after = kept_positions(cache)
+    for row_before, row_after in zip(before.reshape(-1, 12), after.reshape(-1, 7)):
+        assert set(row_after.tolist()) == {p for p in row_before.tolist() if p < 21}
+
+
 def test_save_load_round_trip(tmp_path):
     cfg = H2OConfig(max_size=10, sink_size=2, heavy_budget=4, score="normalized")
     rng, cache = np.random.default_rng(4), [H2OKVCache(cfg), H2OKVCache(cfg, window_size=6)]

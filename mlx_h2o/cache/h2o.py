@@ -103,7 +103,11 @@ class H2OKVCache:
 
     def trim(self, n: int) -> int:
         """Drop the newest n tokens; after eviction only the recent window can go."""
-        limit = self.offset if self.evicted == 0 else self.config.recent_budget
+        limit = self.offset
+        if self.evicted:
+            # Only the recent window is surely present (on a window layer, only
+            # the part of it the layer can still see).
+            limit = min(self.config.recent_budget, self.window_size or limit)
         n = max(0, min(n, limit, self._n))
         if n and self.evicted:
             # Trimmed tokens sit anywhere in slot order: regather the rest.
