@@ -35,6 +35,12 @@ demo: install
 
 test: install
 	$(PRELOAD) $(PY) -m pytest $(PYTEST_ARGS)
+	@if command -v swift >/dev/null; then $(MAKE) --no-print-directory swift; \
+	else echo "swift not on PATH: Swift tests skipped"; fi
+
+# The Swift package (H2OCore + H2OKernels; MLXH2O needs Apple platforms, docs/SWIFT.md).
+swift:
+	cd swift && swift build && swift test
 
 # Evaluation (eval/README.md): paper-protocol perplexity and interleaved speed runs.
 PPL_ARGS ?= --model smollm2-135m --corpus austen -n 10 --seq-len 512 --max-kv 256
