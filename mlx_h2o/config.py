@@ -28,10 +28,10 @@ class H2OConfig:
         probability in place of |logit|: a large negative logit is no reason
         to keep a key).
 
-    ``prefill_window`` > 0 scores a chunk of L > 1 tokens (a prompt) with its
-    last ``prefill_window`` queries only (SnapKV, Li et al. 2024): the end of a
+    ``prefill_window`` > 0 scores a chunk of L > 1 tokens (a prompt) that
+    overflows the budget with its last ``prefill_window`` queries only (SnapKV, Li et al. 2024): the end of a
     prompt (a question) tells which of its tokens will be needed.
-    ``prefill_pool`` > 1 max-pools a chunk's scores over that many
+    ``prefill_pool`` > 1 max-pools such a chunk's scores over that many
     neighbouring positions, so the tokens around an attended one (the rest of
     a number, a name) stay with it.
 

@@ -80,3 +80,18 @@ def test_pool_applies_to_chunks_only():
                              lse[:, :, -1:], 0.9, 0, pos, 3)[0]
     ref = policy.fold_scores("accumulated", zero, zero, logits[:, :, -1:], lse[:, :, -1:])[0]
     assert mx.allclose(one, ref).item()
+
+
+def test_prefill_options_only_touch_chunks_that_overflow():
+    """Within the budget, prefill_window/pool leave the scores as plain H2O's."""
+    from mlx_h2o import make_h2o_cache, patch
+
+    model = tiny_llama()
+    toks = mx.random.randint(0, VOCAB, (1, 24), key=mx.random.key(4))
+    scores = []
+    for extra in ({}, {"prefill_window": 4, "prefill_pool": 5}):
+        cache = make_h2o_cache(model, H2OConfig(max_size=32, score="accumulated", **extra))
+        with patch():
+            model(toks, cache=cache)
+        scores.append(cache[0].score[..., :24])
+    assert mx.array_equal(scores[0], scores[1]).item()

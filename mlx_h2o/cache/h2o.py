@@ -73,10 +73,12 @@ class H2OKVCache:
             queries, keys, values, scale=scale, mask=mask, sinks=sinks
         )
         n, cfg = self._n, self.config
+        # Only a chunk that overflows the budget is scored by its window (SnapKV).
+        over = n > self.max_size
         score, count = policy.fold_scores(
             cfg.score, self.score[..., :n], self.count[..., :n], logits, lse,
-            cfg.ema_alpha, cfg.prefill_window, self.positions[..., :n],
-            cfg.prefill_pool,
+            cfg.ema_alpha, cfg.prefill_window if over else 0,
+            self.positions[..., :n], cfg.prefill_pool if over else 0,
         )
         self.score[..., :n] = score
         self.count[..., :n] = count
