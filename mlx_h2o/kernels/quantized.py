@@ -43,34 +43,32 @@ def quantized_attention(
     sinks: mx.array | None = None,
     use_kernel: bool | None = None,
 ):
-    """Quantized attention with scores; ``use_kernel`` forces (True) or skips
-    (False) the fused GPU kernel, None picks it for GPU decode.
+    """Quantized attention with scores; ``use_kernel``: None picks the fused GPU
+    kernel where it applies, True requires it (ValueError otherwise), False
+    skips it.
 
     Shapes and returns as ``quantized_scaled_dot_product_attention_with_scores``.
     """
     keys, kbits = as_segments(keys, bits)
     values, _ = as_segments(values, bits)
     on_gpu = mx.default_device() == mx.gpu
-    if use_kernel is None:
-        use_kernel = on_gpu and queries.shape[2] <= MAX_DECODE_L
-    if use_kernel:
+    if use_kernel is None and (not on_gpu or queries.shape[2] > MAX_DECODE_L):
+        use_kernel = False  # prefill (and CPU) take the dequantize / matmul paths
+    if use_kernel is not False:
         kernel = _gpu_kernel()
-        if kernel is None:
-            raise RuntimeError(
-                "the fused quantized kernel needs a CUDA or Metal backend"
+        out = None
+        if kernel is not None:
+            out = kernel(
+                queries, keys, values, scale=scale, bits=kbits,
+                group_size=group_size, mask=mask, sinks=sinks,
             )
-        out = kernel(
-            queries,
-            keys,
-            values,
-            scale=scale,
-            bits=kbits,
-            group_size=group_size,
-            mask=mask,
-            sinks=sinks,
-        )
-        if out is not None:  # None: a shape the kernel does not cover
+        if out is not None:
             return out
+        if use_kernel:
+            raise ValueError(
+                "no fused quantized kernel for these inputs (needs a CUDA or Metal "
+                f"backend, L <= 8, head_dim 64/96/128/256; queries {queries.shape})"
+            )
     if len(keys) == 1 and not on_gpu:
         return quantized_matmul_attention_with_scores(
             queries,
