@@ -19,7 +19,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from mlx_h2o.cache import QuantConfig, quantized_cache_type
 from mlx_h2o.eval.common import fmt_table, load_any
-from mlx_h2o.eval.ppl import sweep
+from mlx_h2o.eval.ppl import compare, sweep
 from mlx_h2o.eval.results import machine_info
 from mlx_h2o.eval.strategies import Strategy, parse_strategy
 from mlx_h2o.integration.factory import make_h2o_cache
@@ -134,13 +134,20 @@ def main(argv=None) -> int:
     )
     print(fmt_table(rows, cols))
     dense = next((r for r in rows if r["strategy"] == "h2o-heavy"), None)
-    if dense is not None and "delta_pct" in dense:
+    if dense is not None:
         for r in rows:
-            if "@" in r["strategy"]:
-                r["delta_vs_dense_h2o_pct_points"] = r["delta_pct"] - dense["delta_pct"]
-                print(
-                    f"{r['strategy']}: {r['delta_vs_dense_h2o_pct_points']:+.3f} pp vs h2o-heavy"
-                )
+            if "@" not in r["strategy"]:
+                continue
+            paired = compare(r, dense)  # per-sample paired NLL differences
+            r["vs_dense_h2o_pct"] = paired["delta_pct"]
+            r["vs_dense_h2o_se_pct"] = paired["delta_se_pct"]
+            if "delta_pct" in dense and "delta_pct" in r:
+                r["vs_dense_h2o_pp"] = r["delta_pct"] - dense["delta_pct"]
+            print(
+                f"{r['strategy']}: ppl {paired['delta_pct']:+.3f}% "
+                f"(se {paired['delta_se_pct']:.3f}) vs h2o-heavy, "
+                f"{r.get('vs_dense_h2o_pp', float('nan')):+.3f} pp of the change vs baseline"
+            )
     print(f"# total {time.perf_counter() - tic:.0f}s")
     keep = [{k: v for k, v in r.items() if k != "nll_per_sample"} for r in rows]
     print(json.dumps({"model": args.model, "corpus": args.corpus, "rows": keep}))

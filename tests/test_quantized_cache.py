@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_models import tiny_llama
+from tiny_models import tiny_gemma3, tiny_llama
 
 from mlx_h2o import H2OConfig, H2OKVCache, make_h2o_cache, patch
 from mlx_h2o.cache import (
@@ -347,8 +347,12 @@ class FakeQuantCache(H2OKVCache):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_model_matches_dense_cache_on_dequantized_values(bits):
-    model = tiny_llama(head_dim=32, hidden_size=128)
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gemma3])
+def test_model_matches_dense_cache_on_dequantized_values(bits, build):
+    """Through a whole model (Gemma 3: sliding-window layers too): the quantized
+    cache equals a dense H2O cache fed dequantized K/V, to float32 rounding
+    carried through the layers (2e-5 of the largest logit, ~170 eps)."""
+    model = build(head_dim=32, hidden_size=128)
     cfg = H2OConfig(max_size=24, sink_size=2, heavy_budget=10)
     tokens = mx.array(np.random.default_rng(0).integers(0, 97, (2, 60)))
     fake = type("Fake", (FakeQuantCache,), {"bits": bits})
@@ -362,4 +366,25 @@ def test_model_matches_dense_cache_on_dequantized_values(bits):
             ]
         outs.append(np.array(mx.stack(logits, 1)))
         assert all(c.size() == cfg.max_size for c in cache)
-    np.testing.assert_allclose(outs[0], outs[1], atol=2e-4, rtol=2e-4)
+    atol = 2e-5 * np.abs(outs[1]).max()
+    np.testing.assert_allclose(outs[0], outs[1], atol=atol, rtol=0)
+
+
+def test_mixed_without_high_zone_is_uniform_low_bits(tmp_path):
+    """sink = heavy = 0: every slot is recent, so mixed 8/4 is plain 4-bit."""
+    cfg = H2OConfig(max_size=6, sink_size=0, heavy_budget=0)
+    cache = MixedPrecisionH2OKVCache(cfg, quant=QuantConfig(8, GS, 4))
+    dense, rng = H2OKVCache(cfg), np.random.default_rng(2)
+    for L in [4, 1, 9, 1, 1]:
+        q, k, v = qkv(rng, L)
+        out = attend(cache, q, k, v)
+        ref = attend(dense, q, fake_quant(k, 4), fake_quant(v, 4))
+        np.testing.assert_array_equal(kept(cache), kept(dense))
+        np.testing.assert_allclose(np.array(out), np.array(ref), atol=1e-5, rtol=1e-5)
+    path = str(tmp_path / "m.safetensors")
+    save_prompt_cache(path, [cache])
+    (loaded,) = load_prompt_cache(path)
+    q, k, v = qkv(rng, 1)
+    np.testing.assert_array_equal(
+        np.array(attend(cache, q, k, v)), np.array(attend(loaded, q, k, v))
+    )

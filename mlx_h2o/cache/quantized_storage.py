@@ -199,26 +199,26 @@ class MixedKV:
 
     def gather(self, slots: mx.array, n: int):
         A, k = self.split, slots.shape[-1]
-        hi_keys, hi_values = self._collect(slots[..., :A], n, self.hi.bits)
-        lo_part = None
-        if k > A:
-            lo_part = self._collect(slots[..., A:], n, self.lo.bits)
-            hi_keys, hi_values = self._with_scratch(hi_keys, hi_values)
-        self.hi.keys, self.hi.values = hi_keys, hi_values
-        self.lo.keys, self.lo.values = lo_part or (None, None)
+        if A:  # without sinks or heavy hitters the high zone is the scratch slot
+            hi = self._collect(slots[..., :A], n, self.hi.bits)
+            self.hi.keys, self.hi.values = self._with_scratch(*hi) if k > A else hi
+        lo = self._collect(slots[..., A:], n, self.lo.bits) if k > A else (None, None)
+        self.lo.keys, self.lo.values = lo
         self._cap = k
 
     def _collect(self, slots, n, bits):
         """Triples of logical ``slots`` from both zones, expressed at ``bits``."""
         A, slots = self.split, slots.astype(mx.int32)  # argsort/argmin give uint32
-        from_hi = slots < A
-        hk, hv = self.hi.take(mx.minimum(slots, A - 1), min(n, A))
-        hk, hv = convert(hk, self.hi.bits, bits), convert(hv, self.hi.bits, bits)
+        if A:
+            hk, hv = self.hi.take(mx.minimum(slots, A - 1), min(n, A))
+            hk, hv = convert(hk, self.hi.bits, bits), convert(hv, self.hi.bits, bits)
         if n <= A:
             return hk, hv
         lk, lv = self.lo.take(mx.maximum(slots - A, 0), n - A)
         lk, lv = convert(lk, self.lo.bits, bits), convert(lv, self.lo.bits, bits)
-        cond = from_hi[..., None]
+        if not A:
+            return lk, lv
+        cond = (slots < A)[..., None]
         return _select(cond, hk, lk), _select(cond, hv, lv)
 
     @staticmethod
@@ -228,22 +228,23 @@ class MixedKV:
 
         return tuple(map(pad, keys)), tuple(map(pad, values))
 
-    def fetch(self, n: int):
+    def _zones(self, n: int):
+        """(store, slots) of the non-empty zones among the first n slots."""
         A = self.split
-        hk, hv = self.hi.fetch(min(n, A))
-        if n <= A:
-            return (hk,), (hv,)
-        lk, lv = self.lo.fetch(n - A)
-        return (hk, lk), (hv, lv)
+        return [(z, m) for z, m in ((self.hi, min(n, A)), (self.lo, n - A)) if m > 0]
+
+    def fetch(self, n: int):
+        parts = [zone.fetch(m) for zone, m in self._zones(n)]
+        return tuple(k for k, _ in parts), tuple(v for _, v in parts)
 
     def attention(self, queries, keys, values, *, scale, mask, sinks):
-        bits = (self.hi.bits, self.lo.bits)[: len(keys)]
+        n = sum(k[0].shape[2] for k in keys)
         return quantized_attention(
             queries,
             keys,
             values,
             scale=scale,
-            bits=bits,
+            bits=tuple(zone.bits for zone, _ in self._zones(n)),
             group_size=self.hi.group_size,
             mask=mask,
             sinks=sinks,
@@ -258,13 +259,28 @@ class MixedKV:
         return [a for k, v in zip(keys, values) for a in (*k, *v)]
 
     def set_state(self, arrays):
+        """Arrays of ``state``: the high zone's six, then the low zone's six."""
         arrays = list(arrays)
-        self.hi.set_state(arrays[:6])
-        n = arrays[0].shape[2]
+        if self.split == 0:  # only a low zone; the high zone is its scratch slot
+            arrays = [None] * 6 + arrays
+        else:
+            self.hi.set_state(arrays[:6])
+        n = sum(a.shape[2] for a in arrays[0:12:6] if a is not None)
         if len(arrays) > 6:
             self.lo.set_state(arrays[6:12])
-            n += arrays[6].shape[2]
-            self.hi.keys, self.hi.values = self._with_scratch(
-                self.hi.keys, self.hi.values
-            )
+            if self.split == 0:
+                self.hi.resize(0, 1, *self._dense_like(self.lo))
+            else:
+                self.hi.keys, self.hi.values = self._with_scratch(
+                    self.hi.keys, self.hi.values
+                )
         self._cap = n
+
+    @staticmethod
+    def _dense_like(zone):
+        """Zero (B, Hk, 1, D) keys/values with the zone's head dims and dtype."""
+        out = []
+        for w, s, _ in (zone.keys, zone.values):
+            D = w.shape[-1] * 32 // zone.bits
+            out.append(mx.zeros((*w.shape[:2], 1, D), s.dtype))
+        return out
