@@ -117,13 +117,13 @@ class QuantizedH2OKVCache(H2OKVCache):
 
     @meta_state.setter
     def meta_state(self, v):
-        H2OKVCache.meta_state.fset(self, v[:5])
-        self.quant = QuantConfig(**json.loads(v[5]))
+        H2OKVCache.meta_state.fset(self, v[:-1])  # ours is the last item
+        self.quant = QuantConfig(**json.loads(v[-1]))
 
     @classmethod
     def from_state(cls, state, meta_state) -> "QuantizedH2OKVCache":
         cfg = config_from_dict(json.loads(meta_state[4]))
-        window, quant = meta_state[2], QuantConfig(**json.loads(meta_state[5]))
+        window, quant = meta_state[2], QuantConfig(**json.loads(meta_state[-1]))
         obj = cls(cfg, int(window) if window else None, quant)
         obj.meta_state = meta_state
         obj.state = state
