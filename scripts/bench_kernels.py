@@ -22,22 +22,29 @@ import mlx.core as mx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from mlx_h2o.kernels import gpu_backend, h2o_decode_step  # noqa: E402
+from mlx_h2o.kernels import decode, gpu_backend, h2o_decode_step  # noqa: E402
 from mlx_h2o.kernels.decode import decode_attention  # noqa: E402
 
 B, HQ, HK = 1, 32, 8
 L2_SPILL_BYTES = 200e6  # rotate K/V sets until the chain touches this much
 
 
+HOST = {}  # fn -> median seconds per call spent building the graph (host)
+
+
 def timed(fn, chain, repeats):
     """Median seconds per call of `fn` over chains of `chain` dependent calls."""
-    samples = []
+    samples, host = [], []
     for _ in range(repeats + 1):  # the first chain warms up (compiles, allocates)
         mx.synchronize()
         t0 = time.perf_counter()
-        mx.eval(fn(chain))
+        out = fn(chain)
+        t1 = time.perf_counter()
+        mx.eval(out)
         mx.synchronize()
         samples.append((time.perf_counter() - t0) / chain)
+        host.append((t1 - t0) / chain)
+    HOST[fn] = statistics.median(host[1:])
     return statistics.median(samples[1:])
 
 
@@ -113,7 +120,7 @@ def step_chains(N, D, dtype):
             st[0] = mx.put_along_axis(st[0], idx, knew, axis=2)
             st[1] = mx.put_along_axis(st[1], idx, knew, axis=2)
             res = h2o_decode_step(q, st[0], st[1], st[2], st[3], st[4], slot=st[5],
-                                  offset=N + i, scale=scale, sink_size=4,
+                                  offset=N + i, scale=scale, mode="ema", alpha=0.95, sink_size=4,
                                   recent_budget=N // 2)
             st[2:6] = res[1:5]
             q = res.out
@@ -131,17 +138,19 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--tune", action="store_true", help="time each split count")
     p.add_argument("--step", action="store_true", help="also time a whole layer step")
+    p.add_argument("--keys-per-group", type=int, default=0, help="U (0: automatic)")
     args = p.parse_args()
+    decode.KEYS_PER_LANE_GROUP = args.keys_per_group
     if gpu_backend() is None:
         print("no GPU backend: nothing to benchmark")
         return 2
     dtype = getattr(mx, args.dtype)
     bw = copy_bandwidth(args.repeats)
     print(f"backend={gpu_backend()} mlx={mx.__version__} dtype={args.dtype} B={B} "
-          f"heads={HQ}/{HK} chain={args.chain} repeats={args.repeats}")
+          f"heads={HQ}/{HK} chain={args.chain} repeats={args.repeats} U={args.keys_per_group}")
     print(f"copy bandwidth (read+write): {bw / 1e9:.0f} GB/s")
     print(f"{'D':>4s} {'N':>6s} {'ours us':>8s} {'mlx us':>8s} {'ratio':>6s} "
-          f"{'GB/s':>6s} {'floor us':>8s} {'x floor':>7s}")
+          f"{'GB/s':>6s} {'floor us':>8s} {'x floor':>7s} {'host us o/m':>11s}")
     rows = []
     for D in args.dims:
         for N in args.ns:
@@ -153,13 +162,15 @@ def main():
             t_o, t_m = statistics.median(t_ours), statistics.median(t_mlx)
             floor = kv_bytes / bw
             row = dict(D=D, N=N, ours_us=t_o * 1e6, mlx_us=t_m * 1e6, ratio=t_o / t_m,
-                       gbps=kv_bytes / t_o / 1e9, floor_us=floor * 1e6, x_floor=t_o / floor)
+                       gbps=kv_bytes / t_o / 1e9, floor_us=floor * 1e6, x_floor=t_o / floor,
+                       host_ours_us=HOST[ours] * 1e6, host_mlx_us=HOST[mlx] * 1e6)
             rows.append(row)
             print(f"{D:4d} {N:6d} {row['ours_us']:8.1f} {row['mlx_us']:8.1f} "
                   f"{row['ratio']:6.2f} {row['gbps']:6.0f} {row['floor_us']:8.1f} "
-                  f"{row['x_floor']:7.2f}", flush=True)
+                  f"{row['x_floor']:7.2f} {row['host_ours_us']:5.1f}/{row['host_mlx_us']:<5.1f}",
+                  flush=True)
             if args.tune:
-                for S in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+                for S in (1, 2, 4, 8, 16, 32, 64, 128):
                     o, _, _ = attention_chains(N, D, dtype, splits=S)
                     print(f"       tune S={S:3d}: {timed(o, args.chain, args.repeats) * 1e6:8.1f} us",
                           flush=True)
@@ -171,7 +182,8 @@ def main():
             t_h = statistics.median([timed(h2o, args.chain, args.repeats) for _ in range(3)])
             t_k = statistics.median([timed(kvc, args.chain, args.repeats) for _ in range(3)])
             steps.append(dict(D=128, N=N, h2o_us=t_h * 1e6, kvcache_us=t_k * 1e6,
-                              ratio=t_h / t_k))
+                              ratio=t_h / t_k, host_h2o_us=HOST[h2o] * 1e6,
+                              host_kvcache_us=HOST[kvc] * 1e6))
             print(f"{128:4d} {N:6d} {t_h * 1e6:11.1f} {t_k * 1e6:10.1f} {t_h / t_k:6.2f}",
                   flush=True)
     print(json.dumps(dict(backend=gpu_backend(), mlx=mx.__version__, dtype=args.dtype,

@@ -11,6 +11,7 @@ hundred decode steps and compares outputs, scores and every eviction.
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 
@@ -24,7 +25,9 @@ from mlx_h2o.cache import H2OKVCache  # noqa: E402
 from mlx_h2o.config import H2OConfig  # noqa: E402
 from mlx_h2o.kernels import gpu_backend, h2o_decode_step  # noqa: E402
 from mlx_h2o.kernels.decode import decode_attention  # noqa: E402
-from mlx_h2o.kernels.testing import OUT_TOL, Case, check_case, rel_err, to_np  # noqa: E402
+from mlx_h2o.kernels.testing import (  # noqa: E402
+    OUT_TOL, Case, check_case, make_inputs, rel_err, to_np,
+)
 
 NS = (1, 97, 257, 1025, 4097, 16385, 32768)
 DS = (64, 80, 96, 128, 256)
@@ -67,6 +70,7 @@ def run_attention(quick: bool, seed: int) -> int:
     failures = 0
     print(f"{'section':8s} {'cases':>5s} {'fail':>4s}  max err/tol: out  logits  lse")
     for name, cases in attention_cases(quick).items():
+        t0 = time.time()
         worst = {"out": 0.0, "logits": 0.0, "lse": 0.0}
         bad = []
         for i, case in enumerate(cases):
@@ -78,7 +82,8 @@ def run_attention(quick: bool, seed: int) -> int:
                 bad.append((case, errs))
         failures += len(bad)
         print(f"{name:8s} {len(cases):5d} {len(bad):4d}  "
-              f"{worst['out']:.3f} {worst['logits']:.3f} {worst['lse']:.3f}")
+              f"{worst['out']:.3f} {worst['logits']:.3f} {worst['lse']:.3f}  "
+              f"({time.time() - t0:.0f} s)")
         for case, errs in bad[:10]:
             print(f"   FAIL {case.label()}  " +
                   " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
@@ -206,6 +211,7 @@ def run_fused(steps: int, seed: int) -> int:
     print(f"{'fused H2O step':44s} steps evict ties  out/tol score  result")
     failures = 0
     for i, (cfg, B, Hq, Hk, D, dt, window, prefill, splits) in enumerate(FUSED_RUNS):
+        t0 = time.time()
         st = fused_run(cfg, B=B, Hq=Hq, Hk=Hk, D=D, dtype=dt, window=window,
                        prefill=prefill, steps=steps, splits=splits, seed=seed + i)
         label = (f"{cfg.score} max={cfg.max_size} H={Hq}/{Hk} D={D} {dt} "
@@ -213,8 +219,25 @@ def run_fused(steps: int, seed: int) -> int:
         failures += st["fails"] > 0
         print(f"{label:44s} {steps:5d} {st['evictions']:5d} {st['ties']:4d} "
               f"{st['out'] / OUT_TOL[dt]:7.3f} {st['score']:.1e}  "
-              f"{'FAIL' if st['fails'] else 'ok'}")
+              f"{'FAIL' if st['fails'] else 'ok'}  ({time.time() - t0:.0f} s)")
     return failures
+
+
+def warm(quick: bool, shard: int, jobs: int):
+    """Compile this shard's kernels (MLX caches them on disk for the checker)."""
+    cases = [c for group in attention_cases(quick).values() for c in group]
+    for case in cases[shard::jobs]:
+        q, k, v, mask, sinks = make_inputs(case, 0)
+        mx.eval(decode_attention(q, k, v, scale=0.1, mask=mask, sinks=sinks,
+                                 num_splits=case.splits))
+
+
+def warm_all(quick: bool, jobs: int):
+    t0 = time.time()
+    cmd = [sys.executable, __file__, "--warm-jobs", str(jobs)] + (["--quick"] if quick else [])
+    procs = [subprocess.Popen(cmd + ["--warm-shard", str(i)]) for i in range(jobs)]
+    codes = [p.wait() for p in procs]
+    print(f"compiled kernels in {jobs} processes: {time.time() - t0:.0f} s, exit codes {set(codes)}")
 
 
 def main():
@@ -223,13 +246,22 @@ def main():
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--fused-steps", type=int, default=300)
     p.add_argument("--skip-attention", action="store_true")
+    p.add_argument("--jobs", type=int, default=min(15, os.cpu_count() or 1),
+                   help="processes that compile kernels before the checks")
+    p.add_argument("--warm-shard", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--warm-jobs", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.warm_shard is not None:
+        warm(args.quick, args.warm_shard, args.warm_jobs)
+        return 0
     if gpu_backend() is None:
         print("no GPU backend (mx.metal / mx.cuda unavailable): nothing to check")
         return 2
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(3), "little")
     print(f"backend={gpu_backend()} mlx={mx.__version__} seed={seed}")
     t0 = time.time()
+    if args.jobs > 1 and not args.skip_attention:
+        warm_all(args.quick, args.jobs)
     fails = 0 if args.skip_attention else run_attention(args.quick, seed)
     fails += run_fused(args.fused_steps, seed)
     print(f"total failures: {fails}  ({time.time() - t0:.0f} s)")

@@ -4,7 +4,8 @@
 #   sh scripts/gpu_run.sh [install] [quick|full|bench|tune|all]...
 #
 # "install" expects .gpu/part1 already copied to /root/mlxw (previous call) and
-# .gpu/part2 carried now (see docs/GPU.md). Logs go to $OUT when set.
+# .gpu/part2 and .gpu/lib (mlx_lm) carried now; "ensure" reuses a warm install.
+# See docs/GPU.md. Logs go to $OUT when set.
 set -u
 OUT=${OUT:-/tmp/h2o_out}
 mkdir -p "$OUT"
@@ -18,10 +19,21 @@ for step in "$@"; do
       nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
       python3 -c "import mlx.core as mx; print('mlx', mx.__version__, 'cuda', mx.cuda.is_available())"
       ;;
+    ensure)  # reuse a warm machine's install; mlx_lm travels in .gpu/lib
+      python3 -c "import mlx.core as mx; assert mx.cuda.is_available()" || exit 3
+      [ -d /root/site/mlx_lm ] || cp -r .gpu/lib/mlx_lm /root/site/ || exit 3
+      [ -f .gpu/ptx.tgz ] && mkdir -p /tmp/mlx && tar -xzf .gpu/ptx.tgz -C /tmp/mlx
+      ;;
+    ptx)  # bring compiled kernels back, so a cold machine skips NVRTC
+      tar -czf "$OUT/ptx.tgz" -C /tmp/mlx . && ls -la "$OUT/ptx.tgz" ;;
     quick) python3 scripts/gpu_check.py --quick --fused-steps 120 2>&1 | tee "$OUT/check_quick.log" || status=1 ;;
-    full) python3 scripts/gpu_check.py 2>&1 | tee "$OUT/check.log" || status=1 ;;
+    full) timeout 420 python3 scripts/gpu_check.py --fused-steps 200 2>&1 | tee "$OUT/check.log" || status=1 ;;
     bench) python3 scripts/bench_kernels.py --step 2>&1 | tee "$OUT/bench.log" || status=1 ;;
-    tune) python3 scripts/bench_kernels.py --dims 128 --tune --repeats 3 2>&1 | tee "$OUT/tune.log" || status=1 ;;
+    tune)
+      for u in 4 8; do
+        python3 scripts/bench_kernels.py --dims 128 --ns 1024 32768 --tune --repeats 3 \
+          --keys-per-group $u 2>&1 | tee -a "$OUT/tune.log" || status=1
+      done ;;
     pytest) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py 2>&1 | tail -5 ;;
     *) echo "unknown step $step"; status=2 ;;
   esac

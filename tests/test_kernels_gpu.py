@@ -55,9 +55,10 @@ def test_inputs_match_body(mask, split, fused):
 @pytest.mark.parametrize("G,L", [(1, 1), (4, 1), (7, 1), (8, 8), (16, 1), (4, 3)])
 def test_layout(D, itemsize, G, L):
     lay = layout(D, itemsize, G, L)
-    vec = 16 // itemsize
-    assert lay.EPL % vec == 0 and D % lay.EPL == 0 and lay.TPK * lay.EPL >= D
-    assert lay.TPK in (8, 16, 32) and lay.tile % 32 == 0
+    assert lay.EPL in (2, 4, 8) and D % lay.EPL == 0 and 32 * lay.EPL >= D
+    assert lay.TPK == 32 and lay.tile == 4 * lay.U
+    rp = 1 << (lay.R - 1).bit_length()
+    assert rp * lay.U <= 32 and lay.U in (4, 8)  # one (row, key) per lane or fewer
     assert lay.R <= 8 and lay.R * lay.RT == G * L
 
 
@@ -113,7 +114,11 @@ def test_numpy_reference_matches_mx_reference():
     q, k, v = _qkv(L=3, N=40)
     mask = mx.random.uniform(shape=(1, 2, 3, 40)) > 0.3
     got = ref64(to_np(q), to_np(k), to_np(v), 0.2, np.array(mask), None)
-    want = reference.scaled_dot_product_attention_with_scores(q, k, v, scale=0.2, mask=mask)
+    # On the CPU: CUDA float32 matmuls may use TF32 (~1e-3 relative).
+    with mx.stream(mx.cpu):
+        want = reference.scaled_dot_product_attention_with_scores(
+            q, k, v, scale=0.2, mask=mask
+        )
     for a, b in zip(got, want):
         assert rel_err(a, to_np(b)) < 1e-5
 

@@ -9,7 +9,7 @@ import mlx.core as mx
 from .build import _make_pass1_kernel, _make_pass2_kernel, gpu_backend
 
 NT = 128  # threads per block (source.NT)
-KEYS_PER_LANE_GROUP = 8  # U: keys each lane group loads per tile
+KEYS_PER_LANE_GROUP = 0  # U, keys per warp iteration; 0: min(8, 32 / padded R)
 MAX_ROWS = 8  # query rows per block: registers hold R * EPL floats twice
 MAX_SPLITS = 256  # pass 2 keeps one weight per split in shared memory
 TARGET_BLOCKS = 512  # ~4 blocks per SM on a 132-SM H100
@@ -26,27 +26,28 @@ class Layout:
 
     R: int  # query rows per block (divides G * L)
     RT: int  # row tiles per KV head
-    TPK: int  # lanes per key
+    TPK: int  # lanes per key (a warp)
     EPL: int  # elements per lane
-    tile: int  # keys per tile
+    U: int  # keys each warp loads per iteration
+    tile: int  # keys per block iteration (splits are multiples of it)
 
     def template(self, dtype, D, L, G, Hk):
         return [
             ("T", dtype), ("D", D), ("R", self.R), ("L", L), ("G", G), ("HK", Hk),
-            ("TPK", self.TPK), ("EPL", self.EPL), ("U", KEYS_PER_LANE_GROUP),
+            ("TPK", self.TPK), ("EPL", self.EPL), ("U", self.U),
         ]
 
 
 @lru_cache(maxsize=None)
-def layout(D: int, itemsize: int, G: int, L: int) -> Layout:
-    vec = 16 // itemsize  # elements per 16-byte load
-    lanes = max(1, -(-D // vec))
-    tpk = min(32, 1 << (lanes - 1).bit_length())
-    epl = -(-D // tpk)
-    epl = -(-epl // vec) * vec
+def layout(D: int, itemsize: int, G: int, L: int, U: int = 0) -> Layout:
+    # A warp reads one key row: each lane a slice of EPL = 2, 4 or 8 elements.
+    epl = next(e for e in (2, 4, 8) if 32 * e >= D and D % e == 0)
     rows = G * L
     R = max(r for r in range(1, MAX_ROWS + 1) if rows % r == 0)
-    return Layout(R=R, RT=rows // R, TPK=tpk, EPL=epl, tile=(NT // tpk) * KEYS_PER_LANE_GROUP)
+    rp = 1 << (R - 1).bit_length()  # rows padded to a power of two
+    # R x U logits per warp iteration are spread over the 32 lanes.
+    U = U or min(8, 32 // rp)
+    return Layout(R=R, RT=rows // R, TPK=32, EPL=epl, U=U, tile=(NT // 32) * U)
 
 
 def choose_splits(N: int, units: int, tile: int) -> int:
@@ -125,7 +126,7 @@ def decode_attention(
     B, Hq, L, D = q.shape
     Hk, N = k.shape[1], k.shape[2]
     G = Hq // Hk
-    lay = layout(D, q.dtype.size, G, L)
+    lay = layout(D, q.dtype.size, G, L, KEYS_PER_LANE_GROUP)
     kind, mh = mask_mode(mask, B, Hq, Hk, L, N)
     units = B * Hk * lay.RT
     S = num_splits or choose_splits(N, units, lay.tile)

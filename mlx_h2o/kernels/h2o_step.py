@@ -6,6 +6,7 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .build import SCORE_MODES, _make_pass1_kernel, _make_pass2_kernel
+from . import decode
 from .decode import NT, MAX_SPLITS, Mask, choose_splits, layout, mask_mode
 from .decode import params_f, supported
 
@@ -102,7 +103,7 @@ def h2o_decode_step(
     Hk, N = keys.shape[1], keys.shape[2]
     G = Hq // Hk
     cap = positions.shape[2]
-    lay = layout(D, queries.dtype.size, G, 1)
+    lay = layout(D, queries.dtype.size, G, 1, decode.KEYS_PER_LANE_GROUP)
     kind, mh = mask_mode(mask, B, Hq, Hk, 1, N)
     units = B * Hk * lay.RT
     S = num_splits or choose_splits(N, units, lay.tile)

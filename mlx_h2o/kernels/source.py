@@ -2,7 +2,9 @@
 
 Decode attention (Lq <= 8) that exports logits and lse, as two passes:
 pass 1 gives each block one (sequence, KV head, row tile, key split) and
-reads every K/V row of its split once for all query rows of the GQA group;
+reads every K/V row of its split once for all query rows of the GQA group
+(a warp reads a key row, each lane a slice; a reduce-scatter leaves each
+lane one (row, key) logit; each warp runs its own online softmax);
 pass 2 merges the splits. With one split, pass 1 writes the result itself.
 The H2O fold (score update + next victim) runs after the merge, in the block
 that sees all keys of a (sequence, KV head): pass 1 with one split, else
@@ -10,7 +12,7 @@ pass 2.
 
 Template constants (set per call): T dtype; D head dim; R rows per block;
 L queries per head; G query heads per KV head; HK KV heads; TPK lanes per
-key; EPL elements per lane; U keys per key group per tile; MH mask head mode
+key (32); EPL elements per lane; U keys per warp iteration; MH mask head mode
 (0 broadcast, 1 per query head, 2 per KV head); MODE score mode (0 ema,
 1 accumulated, 2 normalized, 3 attention_ema). Blocks have NT = 128 threads.
 """
@@ -25,11 +27,28 @@ CUDA_HEADER = r"""
 typedef long long i64;
 #define H2O_ROW_HQ(r) (hk * G + (rt * R + (r)) / L)
 #define H2O_ROW_L(r) ((rt * R + (r)) % L)
+// One reduce-scatter level over x[0 .. 2 * HALF) across lanes `lane ^ M`:
+// a lane keeps the half its bit selects and adds the partner's copy of it
+// (HALF == 0: the values are already scattered, plain butterfly add).
+#define H2O_RS(M, HALF)                                                  \
+  if ((HALF) > 0) {                                                      \
+    const bool up_ = (lane & (M)) != 0;                                  \
+    H2O_UNROLL                                                           \
+    for (int i_ = 0; i_ < (HALF); ++i_) {                                \
+      const float lo_ = x[i_];                                           \
+      const float hi_ = x[i_ + (HALF)];                                  \
+      const float got_ = H2O_SHFL_XOR(up_ ? lo_ : hi_, (M));             \
+      x[i_] = (up_ ? hi_ : lo_) + got_;                                  \
+    }                                                                    \
+  } else {                                                               \
+    x[0] += H2O_SHFL_XOR(x[0], (M));                                     \
+  }
 #define H2O_SHARED __shared__
 #define H2O_THREAD
 #define H2O_BARRIER() __syncthreads()
 #define H2O_BARRIER_DEVICE() __syncthreads()
 #define H2O_SHFL_XOR(x, m) __shfl_xor_sync(0xffffffffu, (x), (m))
+#define H2O_SHFL(x, src) __shfl_sync(0xffffffffu, (x), (src))
 #define H2O_EXP(x) expf(x)
 #define H2O_LOG(x) logf(x)
 #define H2O_FABS(x) fabsf(x)
@@ -39,19 +58,24 @@ typedef long long i64;
 #define H2O_ALIGNED16(p) ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0)
 #define H2O_UNROLL _Pragma("unroll")
 
-// E elements of T as raw 16-byte words: loads stay 16 bytes wide.
+// E elements of T as raw words of up to 16 bytes: loads stay as wide as a
+// lane's slice allows (4, 8, 16 or 2 x 16 bytes).
+template <int BYTES> struct H2OWord { typedef uint4 type; static constexpr int n = BYTES / 16; };
+template <> struct H2OWord<8> { typedef uint2 type; static constexpr int n = 1; };
+template <> struct H2OWord<4> { typedef unsigned int type; static constexpr int n = 1; };
+
 template <typename T, int E>
 struct H2ORaw {
-  uint4 w[E * sizeof(T) / 16];
+  typedef H2OWord<E * (int)sizeof(T)> W;
+  typename W::type w[W::n];
 };
 
 template <int E, typename T>
 H2O_FN void h2o_fetch(const T* p, i64 st, bool vec, H2ORaw<T, E>& r) {
+  typedef typename H2ORaw<T, E>::W W;
   if (vec) {
     H2O_UNROLL
-    for (int c = 0; c < E * (int)sizeof(T) / 16; ++c) {
-      r.w[c] = reinterpret_cast<const uint4*>(p)[c];
-    }
+    for (int c = 0; c < W::n; ++c) r.w[c] = reinterpret_cast<const typename W::type*>(p)[c];
   } else {
     T* x = reinterpret_cast<T*>(r.w);
     H2O_UNROLL
@@ -61,8 +85,9 @@ H2O_FN void h2o_fetch(const T* p, i64 st, bool vec, H2ORaw<T, E>& r) {
 
 template <int E, typename T>
 H2O_FN void h2o_zero(H2ORaw<T, E>& r) {
+  typedef typename H2ORaw<T, E>::W W;
   H2O_UNROLL
-  for (int c = 0; c < E * (int)sizeof(T) / 16; ++c) r.w[c] = make_uint4(0, 0, 0, 0);
+  for (int c = 0; c < W::n; ++c) r.w[c] = typename W::type{};
 }
 
 template <int E, typename T>
@@ -88,12 +113,29 @@ METAL_HEADER = r"""
 typedef long i64;
 #define H2O_ROW_HQ(r) (hk * G + (rt * R + (r)) / L)
 #define H2O_ROW_L(r) ((rt * R + (r)) % L)
+// One reduce-scatter level over x[0 .. 2 * HALF) across lanes `lane ^ M`:
+// a lane keeps the half its bit selects and adds the partner's copy of it
+// (HALF == 0: the values are already scattered, plain butterfly add).
+#define H2O_RS(M, HALF)                                                  \
+  if ((HALF) > 0) {                                                      \
+    const bool up_ = (lane & (M)) != 0;                                  \
+    H2O_UNROLL                                                           \
+    for (int i_ = 0; i_ < (HALF); ++i_) {                                \
+      const float lo_ = x[i_];                                           \
+      const float hi_ = x[i_ + (HALF)];                                  \
+      const float got_ = H2O_SHFL_XOR(up_ ? lo_ : hi_, (M));             \
+      x[i_] = (up_ ? hi_ : lo_) + got_;                                  \
+    }                                                                    \
+  } else {                                                               \
+    x[0] += H2O_SHFL_XOR(x[0], (M));                                     \
+  }
 #define H2O_SHARED threadgroup
 #define H2O_THREAD thread
 #define H2O_BARRIER() threadgroup_barrier(metal::mem_flags::mem_threadgroup)
 #define H2O_BARRIER_DEVICE() \
   threadgroup_barrier(metal::mem_flags::mem_device | metal::mem_flags::mem_threadgroup)
 #define H2O_SHFL_XOR(x, m) metal::simd_shuffle_xor((x), (ushort)(m))
+#define H2O_SHFL(x, src) metal::simd_shuffle((x), (ushort)(src))
 #define H2O_EXP(x) metal::precise::exp(x)
 #define H2O_LOG(x) metal::precise::log(x)
 #define H2O_FABS(x) metal::fabs(x)
@@ -144,17 +186,17 @@ METAL_IDS = r"""
 # ---------------------------------------------------------------------------
 # Shared body pieces. $NAME markers are filled by kernels/build.py.
 
-# Per-row logit masking, run by the lane that owns row r of key `key`.
-MASK_CAUSAL = "if (key > N - L + H2O_ROW_L(r)) x = -H2O_INF;"
-MASK_BOOL = "if (!mask[moff[r] + (i64)key * mst3]) x = -H2O_INF;"
-MASK_ADD = "x += static_cast<float>(mask[moff[r] + (i64)key * mst3]);"
+# Logit masking, run by the lane that owns row r of key `key`.
+MASK_CAUSAL = "if (key > N - L + H2O_ROW_L(r)) x_ = -H2O_INF;"
+MASK_BOOL = "if (!mask[moff + (i64)key * mst3]) x_ = -H2O_INF;"
+MASK_ADD = "x_ += static_cast<float>(mask[moff + (i64)key * mst3]);"
 # Fused step: the new token sits in slot w at position Q; a sliding window
 # hides positions <= Q - window.
-MASK_WINDOW = "if (window > 0 && kpos <= Q - window) x = -H2O_INF;"
+MASK_WINDOW = "if (window > 0 && kpos <= Q - window) x_ = -H2O_INF;"
 
-# Offsets of each row's mask row; dims of size 1 broadcast, shapes right-aligned.
+# Offset of the mask row of this lane's (row, key); size-1 dims broadcast.
 MASK_SETUP = r"""
-  i64 moff[R];
+  i64 moff;
   i64 mst3;
   {
     const int nd = mask_ndim;
@@ -165,11 +207,9 @@ MASK_SETUP = r"""
       st[a] = (i < 0 || mask_shape[i] == 1) ? 0 : (i64)mask_strides[i];
     }
     mst3 = st[3];
-    H2O_UNROLL
-    for (int r = 0; r < R; ++r) {
-      const int head = MH == 1 ? H2O_ROW_HQ(r) : (MH == 2 ? hk : 0);
-      moff[r] = b * st[0] + head * st[1] + H2O_ROW_L(r) * st[2];
-    }
+    const int r = my_r < R ? my_r : 0;  // the row this lane masks
+    const int head = MH == 1 ? H2O_ROW_HQ(r) : (MH == 2 ? hk : 0);
+    moff = b * st[0] + head * st[1] + H2O_ROW_L(r) * st[2];
   }
 """
 
@@ -189,16 +229,22 @@ FUSED_KPOS = "const int kpos = key == w ? Q : pos_in[pbase + key * pst];"
 PASS1 = r"""
 $IDS
   constexpr int NT = 128;
-  constexpr int NW = NT / 32;
-  constexpr int NG = NT / TPK;      // key groups per block
-  constexpr int TILE = NG * U;      // keys per tile
-  constexpr int TPL = TILE / 32;    // tile entries per lane in the softmax step
-  constexpr int RPW = (R + NW - 1) / NW;
+  constexpr int NG = NT / 32;       // warps; a warp reads one key row at a time
+  constexpr int STEP = NG * U;      // keys per block iteration
   constexpr int RT = G * L / R;     // row tiles per KV head
+  // The R x U logits of a warp iteration are reduced across the warp so that
+  // each lane ends with one (row, key) of them: lane >> SH is its index.
+  constexpr int RP = R <= 1 ? 1 : (R <= 2 ? 2 : (R <= 4 ? 4 : 8));
+  constexpr int V = RP * U;
+  constexpr int SH = V >= 32 ? 0 : (V >= 16 ? 1 : (V >= 8 ? 2 : (V >= 4 ? 3 : 4)));
+  constexpr int LOGU = U >= 8 ? 3 : (U >= 4 ? 2 : (U >= 2 ? 1 : 0));
 
-  const int grp = tid / TPK;
-  const int li = tid % TPK;
+  const int grp = warp;
+  const int li = lane;
   const bool lane_on = li * EPL < D;
+  const int my_r = (lane >> SH) / U;  // the (row, key) this lane owns after a reduction
+  const int my_u = (lane >> SH) % U;
+  const bool owner = (lane & ((1 << SH) - 1)) == 0;  // first of its replicas
   const int unit = blk_x;
   const int rt = unit % RT;
   const int b = unit / (RT * HK);
@@ -207,7 +253,7 @@ $IDS
   const int S = n_blk_y;
   const int split = blk_y;
   int chunk = (N + S - 1) / S;
-  chunk = (chunk + TILE - 1) / TILE * TILE;
+  chunk = (chunk + STEP - 1) / STEP * STEP;
   const int n0 = split * chunk;
   const int n1 = H2O_MIN(N, n0 + chunk);
   const float scale = prm_f[0];
@@ -237,21 +283,17 @@ $FUSED_SETUP
   const bool vvec = v_strides[3] == 1 && H2O_ALIGNED16(v) && v_strides[0] % VEC == 0
       && v_strides[1] % VEC == 0 && vs % VEC == 0;
 
-  H2O_SHARED float lg_s[R][TILE];
-  H2O_SHARED float a_s[R];
+  H2O_SHARED float gm_s[NG * R];
+  H2O_SHARED float gl_s[NG * R];
   H2O_SHARED float m_s[R];
   H2O_SHARED float l_s[R];
   H2O_SHARED float red[NT * EPL];
 
-  // Running max / sum of the rows this warp owns (rows warp, warp + NW, ...).
-  float m_run[RPW];
-  float l_run[RPW];
-  H2O_UNROLL
-  for (int i = 0; i < RPW; ++i) {
-    m_run[i] = -H2O_INF;
-    l_run[i] = 0.0f;
+  // Each warp runs its own online softmax over its keys (no block barriers
+  // in the loop); lanes keep m / l of the row they own, acc for all rows.
+  float m_run = -H2O_INF;
+  float l_run = 0.0f;
 $SINK_INIT
-  }
   float acc[R][EPL];
   H2O_UNROLL
   for (int r = 0; r < R; ++r) {
@@ -259,147 +301,113 @@ $SINK_INIT
     for (int e = 0; e < EPL; ++e) acc[r][e] = 0.0f;
   }
 
-  for (int t0 = n0; t0 < n1; t0 += TILE) {
-    // (1) logits of the tile: each key group dots U keys with all R rows.
-    {
-      H2ORaw<T, EPL> kr[U];
-      H2O_UNROLL
-      for (int u = 0; u < U; ++u) {
-        const int key = t0 + u * NG + grp;
-        if (key < n1 && lane_on) {
-          h2o_fetch<EPL>(k + kbase + key * ks, k_strides[3], kvec, kr[u]);
-        } else {
-          h2o_zero<EPL>(kr[u]);
-        }
+  for (int base = n0 + grp * U; base < n1; base += STEP) {
+    // K and V rows of this iteration go out together: one memory round trip.
+    H2ORaw<T, EPL> kr[U];
+    H2ORaw<T, EPL> vr[U];
+    H2O_UNROLL
+    for (int u = 0; u < U; ++u) {
+      const int key = base + u;
+      if (key < n1 && lane_on) {
+        h2o_fetch<EPL>(k + kbase + key * ks, k_strides[3], kvec, kr[u]);
+        h2o_fetch<EPL>(v + vbase + key * vs, v_strides[3], vvec, vr[u]);
+      } else {
+        h2o_zero<EPL>(kr[u]);
+        h2o_zero<EPL>(vr[u]);
       }
+    }
+    // Partial dots of this lane's slice, then a reduce-scatter over the warp.
+    float x[V];
+    H2O_UNROLL
+    for (int u = 0; u < U; ++u) {
+      float kf[EPL];
+      h2o_cvt<EPL>(kr[u], kf);
       H2O_UNROLL
-      for (int u = 0; u < U; ++u) {
-        const int key = t0 + u * NG + grp;
-        float kf[EPL];
-        h2o_cvt<EPL>(kr[u], kf);
-        float dot[R];
-        H2O_UNROLL
-        for (int r = 0; r < R; ++r) {
-          float s = 0.0f;
+      for (int r = 0; r < RP; ++r) {
+        float s = 0.0f;
+        if (r < R) {
           H2O_UNROLL
           for (int e = 0; e < EPL; ++e) s += qf[r][e] * kf[e];
-          dot[r] = s;
         }
-        H2O_UNROLL
-        for (int off = TPK / 2; off > 0; off >>= 1) {
-          H2O_UNROLL
-          for (int r = 0; r < R; ++r) dot[r] += H2O_SHFL_XOR(dot[r], off);
-        }
-        if (key < n1) {
+        x[r * U + u] = s;
+      }
+    }
+    H2O_RS(16, V / 2);
+    H2O_RS(8, V / 4);
+    H2O_RS(4, V / 8);
+    H2O_RS(2, V / 16);
+    H2O_RS(1, V / 32);
+    const int key = base + my_u;
+    const int r = my_r;
+    float x_ = -H2O_INF;
+    if (key < n1 && r < R) {
 $FUSED_KPOS
-          H2O_UNROLL
-          for (int r = 0; r < R; ++r) {
-            if (r % TPK == li) {
-              float x = dot[r] * scale;
+      x_ = x[0] * scale;
 $MASK_APPLY
-              lg_s[r][u * NG + grp] = x;
-            }
-          }
-        } else {
-          H2O_UNROLL
-          for (int r = 0; r < R; ++r) {
-            if (r % TPK == li) lg_s[r][u * NG + grp] = -H2O_INF;
-          }
-        }
+      if (owner) {
+        logits[((i64)(b * HK * G + H2O_ROW_HQ(r)) * L + H2O_ROW_L(r)) * N + key] = x_;
       }
     }
-    H2O_BARRIER();
-
-    // (2) online softmax per row (a warp per row); logits go out coalesced.
+    // Online softmax of the row over its U keys (lanes that differ in the key bits).
+    float mx = x_;
     H2O_UNROLL
-    for (int i = 0; i < RPW; ++i) {
-      const int r = warp + i * NW;
-      if (r < R) {
-        float x[TPL];
-        float mx = -H2O_INF;
+    for (int j = 0; j < LOGU; ++j) mx = H2O_FMAX(mx, H2O_SHFL_XOR(mx, 1 << (SH + j)));
+    const float m_new = H2O_FMAX(m_run, mx);
+    const float shift = m_new == -H2O_INF ? 0.0f : m_new;
+    const float alpha = m_run == -H2O_INF ? 0.0f : H2O_EXP(m_run - m_new);
+    const float p = H2O_EXP(x_ - shift);
+    float ps = p;
+    H2O_UNROLL
+    for (int j = 0; j < LOGU; ++j) ps += H2O_SHFL_XOR(ps, 1 << (SH + j));
+    l_run = l_run * alpha + ps;
+    m_run = m_new;
+    // Every lane needs every row's alpha and p for its slice of acc.
+    H2O_UNROLL
+    for (int rr = 0; rr < R; ++rr) {
+      const float a = H2O_SHFL(alpha, (rr * U) << SH);
+      H2O_UNROLL
+      for (int e = 0; e < EPL; ++e) acc[rr][e] *= a;
+    }
+    H2O_UNROLL
+    for (int u = 0; u < U; ++u) {
+      float vf[EPL];
+      h2o_cvt<EPL>(vr[u], vf);
+      H2O_UNROLL
+      for (int rr = 0; rr < R; ++rr) {
+        const float pr = H2O_SHFL(p, (rr * U + u) << SH);
         H2O_UNROLL
-        for (int j = 0; j < TPL; ++j) {
-          x[j] = lg_s[r][lane + 32 * j];
-          mx = H2O_FMAX(mx, x[j]);
-        }
-        H2O_UNROLL
-        for (int off = 16; off > 0; off >>= 1) mx = H2O_FMAX(mx, H2O_SHFL_XOR(mx, off));
-        const i64 lrow = ((i64)(b * HK * G + H2O_ROW_HQ(r)) * L + H2O_ROW_L(r)) * N;
-        H2O_UNROLL
-        for (int j = 0; j < TPL; ++j) {
-          const int key = t0 + lane + 32 * j;
-          if (key < n1) logits[lrow + key] = x[j];
-        }
-        const float m_new = H2O_FMAX(m_run[i], mx);
-        const float shift = m_new == -H2O_INF ? 0.0f : m_new;
-        float ps = 0.0f;
-        H2O_UNROLL
-        for (int j = 0; j < TPL; ++j) {
-          const float p = H2O_EXP(x[j] - shift);
-          lg_s[r][lane + 32 * j] = p;
-          ps += p;
-        }
-        H2O_UNROLL
-        for (int off = 16; off > 0; off >>= 1) ps += H2O_SHFL_XOR(ps, off);
-        const float alpha = m_run[i] == -H2O_INF ? 0.0f : H2O_EXP(m_run[i] - m_new);
-        l_run[i] = l_run[i] * alpha + ps;
-        m_run[i] = m_new;
-        if (lane == 0) a_s[r] = alpha;
+        for (int e = 0; e < EPL; ++e) acc[rr][e] += pr * vf[e];
       }
     }
-    H2O_BARRIER();
-
-    // (3) rescale and accumulate p * V over the tile.
-    {
-      H2ORaw<T, EPL> vr[U];
-      H2O_UNROLL
-      for (int u = 0; u < U; ++u) {
-        const int key = t0 + u * NG + grp;
-        if (key < n1 && lane_on) {
-          h2o_fetch<EPL>(v + vbase + key * vs, v_strides[3], vvec, vr[u]);
-        } else {
-          h2o_zero<EPL>(vr[u]);
-        }
-      }
-      H2O_UNROLL
-      for (int r = 0; r < R; ++r) {
-        const float a = a_s[r];
-        H2O_UNROLL
-        for (int e = 0; e < EPL; ++e) acc[r][e] *= a;
-      }
-      H2O_UNROLL
-      for (int u = 0; u < U; ++u) {
-        float vf[EPL];
-        h2o_cvt<EPL>(vr[u], vf);
-        H2O_UNROLL
-        for (int r = 0; r < R; ++r) {
-          const float p = lg_s[r][u * NG + grp];
-          H2O_UNROLL
-          for (int e = 0; e < EPL; ++e) acc[r][e] += p * vf[e];
-        }
-      }
-    }
-    H2O_BARRIER();
   }
 
-  // Row statistics to shared memory, then sum acc over the key groups.
-  H2O_UNROLL
-  for (int i = 0; i < RPW; ++i) {
-    const int r = warp + i * NW;
-    if (r < R && lane == 0) {
-      m_s[r] = m_run[i];
-      l_s[r] = l_run[i];
-    }
+  // Merge the warps: row max over warps, each warp's sum rescaled to it.
+  if (owner && my_u == 0 && my_r < R) {
+    gm_s[grp * R + my_r] = m_run;
+    gl_s[grp * R + my_r] = l_run;
   }
   H2O_UNROLL
   for (int r = 0; r < R; ++r) {
     H2O_BARRIER();
+    float M = -H2O_INF;
+    for (int j = 0; j < NG; ++j) M = H2O_FMAX(M, gm_s[j * R + r]);
+    const float gm = gm_s[grp * R + r];
+    const float mine = gm == -H2O_INF ? 0.0f : H2O_EXP(gm - M);
     H2O_UNROLL
-    for (int e = 0; e < EPL; ++e) red[tid * EPL + e] = acc[r][e];
+    for (int e = 0; e < EPL; ++e) red[tid * EPL + e] = acc[r][e] * mine;
+    if (tid == 0) {
+      float lsum = 0.0f;
+      for (int j = 0; j < NG; ++j) {
+        const float mj = gm_s[j * R + r];
+        lsum += mj == -H2O_INF ? 0.0f : gl_s[j * R + r] * H2O_EXP(mj - M);
+      }
+      m_s[r] = M;
+      l_s[r] = lsum;
+    }
     H2O_BARRIER();
     for (int d = tid; d < D; d += NT) {
       float s = 0.0f;
-      for (int j = 0; j < NG; ++j) s += red[j * TPK * EPL + d];
+      for (int j = 0; j < NG; ++j) s += red[j * 32 * EPL + d];
 $WRITE_ROW
     }
   }
@@ -428,10 +436,10 @@ WRITE_PARTIAL = r"""
 """
 
 SINK_INIT_PASS1 = r"""
-    if (warp + i * NW < R) {
-      m_run[i] = static_cast<float>(sinks[H2O_ROW_HQ(warp + i * NW)]);
-      l_run[i] = 1.0f;
-    }
+  if (grp == 0 && my_r < R) {  // the sink column counts once, in warp 0
+    m_run = static_cast<float>(sinks[H2O_ROW_HQ(my_r)]);
+    l_run = 1.0f;
+  }
 """
 
 # Pass 2: merge S partials per row (one block per (sequence, KV head, row

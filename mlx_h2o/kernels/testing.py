@@ -30,7 +30,7 @@ def ref64(q, k, v, scale, mask=None, sinks=None):
     Hk, N = k.shape[1], k.shape[2]
     G = Hq // Hk
     qg = q.reshape(B, Hk, G, L, D)
-    logits = np.einsum("bhgld,bhnd->bhgln", qg, k) * scale
+    logits = (qg @ k[:, :, None].swapaxes(-1, -2)) * scale  # (B, Hk, G, L, N), BLAS
     if isinstance(mask, str):
         allowed = np.arange(N)[None] <= (N - L + np.arange(L))[:, None]
         logits = np.where(allowed, logits, -np.inf)
@@ -52,7 +52,7 @@ def ref64(q, k, v, scale, mask=None, sinks=None):
         if sinks is not None:
             denom = denom + np.exp(sink - shift)
         lse = np.log(denom) + shift
-    out = np.einsum("bhgln,bhnd->bhgld", e / np.where(denom > 0, denom, 1.0), v)
+    out = (e / np.where(denom > 0, denom, 1.0)) @ v[:, :, None]
     return (
         out.reshape(B, Hq, L, -1),
         logits.reshape(B, Hq, L, N),
