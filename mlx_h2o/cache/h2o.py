@@ -8,6 +8,7 @@ from mlx_lm.models.base import create_causal_mask
 
 from .. import policy
 from ..config import H2OConfig, config_from_dict, config_to_dict
+from ..kernels import h2o_decode_step, h2o_step_supported
 from .storage import DenseKV, put_slot, resize_slots, take_slots
 
 NO_SCORES = (
@@ -30,6 +31,9 @@ class H2OKVCache:
     """
 
     storage_cls = DenseKV
+    # GPU decode: one fused launch attends, folds scores and picks the next
+    # victim (kernels.h2o_decode_step); False keeps the op-by-op path.
+    use_fused_step = True
 
     def __init__(self, config: H2OConfig, window_size: Optional[int] = None):
         if not isinstance(config, H2OConfig):
@@ -45,6 +49,8 @@ class H2OKVCache:
         self.evicted = 0  # tokens evicted per (sequence, KV head)
         self._n = 0  # slots in use
         self._pending = False
+        self._victim = None  # (B, Hk) next victim, from the fused step
+        self._slot = None  # (B, Hk, 1) slot of this step's token, metadata unwritten
         self.model_name = ""
 
     @property
@@ -58,16 +64,25 @@ class H2OKVCache:
             raise RuntimeError(NO_SCORES.format(model=name))
         L = keys.shape[2]
         self.token_bytes = (keys.nbytes + values.nbytes) // L
-        if L == 1 and self._n >= self.max_size:
+        if L == 1 and self._n >= self.max_size and self._victim is not None:
+            self._slot = self._victim[..., None]  # the fused step writes its metadata
+            self.kv.write_slot(self._slot, keys, values)
+            self.evicted += 1
+        elif L == 1 and self._n >= self.max_size:
             self._write_into_victim(keys, values)
         else:
             self._append(keys, values)
+        self._victim = None
         self.offset += L
         self._pending = True
         return self.kv.fetch(self._n)
 
     def h2o_attention(self, queries, keys, values, *, scale, mask=None, sinks=None):
         """Attention over the fetched keys/values that folds in this step's scores."""
+        if self._fused(queries, keys, values, mask, sinks):
+            return self._fused_step(queries, keys, values, scale, mask, sinks)
+        if self._slot is not None:
+            self._write_slot_meta(self._slot)
         mask = self._mask(queries.shape[2], mask)
         out, logits, lse = self.kv.attention(
             queries, keys, values, scale=scale, mask=mask, sinks=sinks
@@ -110,6 +125,7 @@ class H2OKVCache:
 
     def trim(self, n: int) -> int:
         """Drop the newest n tokens; after eviction only the recent window can go."""
+        self._victim = None
         limit = self.offset
         if self.evicted:
             # Only the recent window is surely present (on a window layer, only
@@ -146,6 +162,7 @@ class H2OKVCache:
 
     @state.setter
     def state(self, v):
+        self._victim = self._slot = None
         if not v:
             self.kv = self.storage_cls()
             self.positions = self.score = self.count = None
@@ -209,12 +226,43 @@ class H2OKVCache:
         pri, pos = self._priority(self.offset + 1)
         slot = policy.select_victim(pri, pos)[..., None]  # (B, Hk, 1)
         self.kv.write_slot(slot, keys, values)
-        new_pos = mx.full(slot.shape, self.offset, mx.int32)
-        self.positions = put_slot(self.positions, slot, new_pos)
+        self._write_slot_meta(slot, self.offset)
+        self.evicted += 1
+
+    def _write_slot_meta(self, slot, position=None):
+        """Position of the token written into ``slot``, with fresh scores."""
+        position = self.offset - 1 if position is None else position
+        self.positions = put_slot(self.positions, slot, mx.full(slot.shape, position, mx.int32))
         zero = mx.zeros(slot.shape, mx.float32)
         self.score = put_slot(self.score, slot, zero)
         self.count = put_slot(self.count, slot, zero)
-        self.evicted += 1
+        self._slot = None
+
+    # --- fused GPU decode step ---------------------------------------------------
+    def _fused(self, queries, keys, values, mask, sinks) -> bool:
+        return (
+            self.use_fused_step
+            and queries.shape[2] == 1
+            and type(self.kv) is DenseKV
+            and not isinstance(mask, str)
+            and h2o_step_supported(queries, keys, values, self.positions, mask, sinks)
+        )
+
+    def _fused_step(self, queries, keys, values, scale, mask, sinks):
+        cfg, slot = self.config, self._slot
+        res = h2o_decode_step(
+            queries, keys, values, self.positions, self.score, self.count,
+            slot=None if slot is None else slot[..., 0].astype(mx.int32),
+            append_slot=self._n - 1 if slot is None else None,
+            offset=self.offset, scale=scale, mode=cfg.score, alpha=cfg.ema_alpha,
+            sink_size=cfg.sink_size, recent_budget=cfg.recent_budget,
+            pinned=cfg.pinned, window_size=self.window_size, mask=mask, sinks=sinks,
+        )
+        self.positions, self.score, self.count = res.positions, res.score, res.count
+        self._victim = res.victim if self._n >= self.max_size else None
+        self._slot = None
+        self._pending = False
+        return res.out
 
     def _compact(self):
         pri, pos = self._priority(self.offset)
@@ -223,6 +271,7 @@ class H2OKVCache:
 
     def _gather(self, slots):
         """Keep only ``slots`` (B, Hk, k), in that order."""
+        self._victim = None
         n = self._n
         self.kv.gather(slots, n)
         self.positions = take_slots(self.positions, slots, n)
