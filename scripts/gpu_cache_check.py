@@ -118,7 +118,7 @@ def main():
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--no-bench", action="store_true")
     args = p.parse_args()
-    ok = all(check_correctness(d) for d in (mx.float32, mx.float16))
+    ok = all([check_correctness(d) for d in (mx.float32, mx.float16)])
     if not args.no_bench:
         bench(args.context, args.budget, args.steps, args.repeats)
     sys.exit(0 if ok else 1)

@@ -50,7 +50,8 @@ class H2OKVCache:
         self._n = 0  # slots in use
         self._pending = False
         self._victim = None  # (B, Hk) next victim, from the fused step
-        self._slot = None  # (B, Hk, 1) slot of this step's token, metadata unwritten
+        self._slot = None  # (B, Hk, 1) slot this step's token overwrote
+        self._meta_pending = False  # its position/scores are not written yet
         self.model_name = ""
 
     @property
@@ -64,12 +65,14 @@ class H2OKVCache:
             raise RuntimeError(NO_SCORES.format(model=name))
         L = keys.shape[2]
         self.token_bytes = (keys.nbytes + values.nbytes) // L
+        self._slot, self._meta_pending = None, False
         if L == 1 and self._n >= self.max_size and self._victim is not None:
-            self._slot = self._victim[..., None]  # the fused step writes its metadata
+            # The fused step picked this victim and writes the slot's metadata.
+            self._slot, self._meta_pending = self._victim[..., None], True
             self.kv.write_slot(self._slot, keys, values)
             self.evicted += 1
         elif L == 1 and self._n >= self.max_size:
-            self._write_into_victim(keys, values)
+            self._slot = self._write_into_victim(keys, values)
         else:
             self._append(keys, values)
         self._victim = None
@@ -81,7 +84,7 @@ class H2OKVCache:
         """Attention over the fetched keys/values that folds in this step's scores."""
         if self._fused(queries, keys, values, mask, sinks):
             return self._fused_step(queries, keys, values, scale, mask, sinks)
-        if self._slot is not None:
+        if self._meta_pending:
             self._write_slot_meta(self._slot)
         mask = self._mask(queries.shape[2], mask)
         out, logits, lse = self.kv.attention(
@@ -162,7 +165,7 @@ class H2OKVCache:
 
     @state.setter
     def state(self, v):
-        self._victim = self._slot = None
+        self._victim, self._slot, self._meta_pending = None, None, False
         if not v:
             self.kv = self.storage_cls()
             self.positions = self.score = self.count = None
@@ -228,6 +231,7 @@ class H2OKVCache:
         self.kv.write_slot(slot, keys, values)
         self._write_slot_meta(slot, self.offset)
         self.evicted += 1
+        return slot
 
     def _write_slot_meta(self, slot, position=None):
         """Position of the token written into ``slot``, with fresh scores."""
@@ -236,7 +240,7 @@ class H2OKVCache:
         zero = mx.zeros(slot.shape, mx.float32)
         self.score = put_slot(self.score, slot, zero)
         self.count = put_slot(self.count, slot, zero)
-        self._slot = None
+        self._meta_pending = False
 
     # --- fused GPU decode step ---------------------------------------------------
     def _fused(self, queries, keys, values, mask, sinks) -> bool:
@@ -260,7 +264,7 @@ class H2OKVCache:
         )
         self.positions, self.score, self.count = res.positions, res.score, res.count
         self._victim = res.victim if self._n >= self.max_size else None
-        self._slot = None
+        self._slot, self._meta_pending = None, False
         self._pending = False
         return res.out
 
