@@ -1,0 +1,84 @@
+"""The cache's fused-decode-step wiring, checked on CPU.
+
+The GPU kernel (kernels.h2o_decode_step) is checked against the policy on the
+GPU by scripts/gpu_check.py; here an emulation of its contract in mx ops
+stands in for it, so the cache's bookkeeping around the fused step (victim
+carried to the next step, appended vs overwritten slots, compaction, trim)
+must give exactly what the op-by-op path gives.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_h2o.cache.h2o as h2o_module
+from mlx_h2o import H2OConfig, H2OKVCache, policy
+from mlx_h2o.cache.storage import put_slot
+from mlx_h2o.kernels import H2OStep
+from mlx_h2o.kernels.reference import scaled_dot_product_attention_with_scores
+
+D, HQ, HK = 8, 4, 2
+
+
+def emulated_step(q, k, v, positions, score, count, *, slot, append_slot, offset,
+                  scale, mode, alpha, sink_size, recent_budget, pinned, window_size,
+                  mask, sinks):
+    """h2o_decode_step's contract (kernels/h2o_step.py) in plain mx ops."""
+    B, Hk, N = k.shape[0], k.shape[1], k.shape[2]
+    s = slot[..., None] if slot is not None else mx.full((B, Hk, 1), append_slot, mx.int32)
+    positions = put_slot(positions, s, mx.full(s.shape, offset - 1, mx.int32))
+    score = put_slot(score, s, mx.zeros(s.shape, mx.float32))
+    count = put_slot(count, s, mx.zeros(s.shape, mx.float32))
+    pos = positions[..., :N]
+    win = None if window_size is None else (pos > offset - 1 - window_size)[:, :, None]
+    out, logits, lse = scaled_dot_product_attention_with_scores(
+        q, k, v, scale=scale, mask=win, sinks=sinks
+    )
+    sc, cn = policy.fold_scores(mode, score[..., :N], count[..., :N], logits, lse, alpha)
+    score[..., :N], count[..., :N] = sc, cn
+    keep = policy.protected(pos, offset + 1, sink_size, recent_budget, pinned)
+    pri = policy.priority(policy.eviction_score(mode, sc, cn), keep, pos, offset + 1, window_size)
+    victim = policy.select_victim(pri, pos).astype(mx.int32)
+    return H2OStep(out, positions, score, count, victim, logits, lse)
+
+
+@pytest.fixture
+def emulated_kernel(monkeypatch):
+    monkeypatch.setattr(h2o_module, "h2o_step_supported", lambda *a, **k: True)
+    monkeypatch.setattr(h2o_module, "h2o_decode_step", emulated_step)
+
+
+def drive(cache, lengths, seed, trim_at=None):
+    rng, outs = np.random.default_rng(seed), []
+    for i, L in enumerate(lengths):
+        if i == trim_at:
+            cache.trim(3)
+        q, k, v = (mx.array(rng.standard_normal((2, h, L, D)).astype(np.float32)) for h in (HQ, HK, HK))
+        mask = cache.make_mask(L)
+        keys, values = cache.update_and_fetch(k * 3, v)
+        outs.append(cache.h2o_attention(q, keys, values, scale=1.0, mask=mask))
+    return outs
+
+
+@pytest.mark.parametrize("mode", ["ema", "accumulated", "normalized"])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("trim_at", [None, 30])
+def test_fused_path_matches_op_by_op_path(emulated_kernel, mode, window, trim_at):
+    cfg = H2OConfig(max_size=12, sink_size=2, heavy_budget=5, score=mode, pinned=((3, 4),))
+    # Fill by appends, overflow with a chunk (compaction), decode, another chunk, decode.
+    lengths = [5] + [1] * 10 + [9] + [1] * 15 + [6] + [1] * 20
+    fused, plain = H2OKVCache(cfg, window), H2OKVCache(cfg, window)
+    plain.use_fused_step = False
+    for a, b in zip(drive(fused, lengths, 0, trim_at), drive(plain, lengths, 0, trim_at)):
+        np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-6)
+    assert (fused.offset, fused.evicted, fused.size()) == (plain.offset, plain.evicted, plain.size())
+    for x, y in zip(fused.state, plain.state):
+        np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-6)
+
+
+def test_fused_path_is_taken(emulated_kernel, monkeypatch):
+    calls = []
+    monkeypatch.setattr(h2o_module, "h2o_decode_step", lambda *a, **k: calls.append(1) or emulated_step(*a, **k))
+    cache = H2OKVCache(H2OConfig(max_size=8))
+    drive(cache, [4, 1, 1, 1, 1, 1, 1], 1)
+    assert len(calls) == 6  # every decode step, none for the chunk
