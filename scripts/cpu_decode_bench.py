@@ -55,11 +55,18 @@ def main():
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--model", default=None, help="packaged name or mlx-lm path (default: random weights)")
     args = p.parse_args()
-    model = llama.Model(llama.ModelArgs(**SMOLLM2))
-    mx.eval(model.parameters())
+    if args.model:
+        from mlx_h2o.models import load_model
+
+        model = load_model(args.model)[0]
+    else:
+        model = llama.Model(llama.ModelArgs(**SMOLLM2))
+        mx.eval(model.parameters())
     strats = strategies(model, args.context, args.budget)
-    print(f"config: smollm2-135m shapes float32 context={args.context} budget={args.budget} "
+    weights = args.model or "random weights, smollm2-135m shapes"
+    print(f"config: {weights} float32 context={args.context} budget={args.budget} "
           f"steps={args.steps} repeats={args.repeats} mlx={mx.__version__}")
     runs = {k: [] for k in strats}
     for r in range(args.repeats):
