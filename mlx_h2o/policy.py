@@ -63,21 +63,22 @@ def fold_scores(
 def pool_neighbours(x: mx.array, positions: mx.array, radius: int) -> mx.array:
     """Max of ``x`` (>= 0) over slots whose positions lie within ``radius``.
 
-    Shapes: x, positions (B, n_kv_heads, N). Neighbours are looked up by slot
-    offset and kept only where the positions differ by exactly that offset
-    (slots after an eviction are not in position order).
+    Shapes: x, positions (B, n_kv_heads, N). Slots are put in position order
+    first, so the result does not depend on the storage's slot layout.
     """
-    out = x
+    order = mx.argsort(positions, axis=-1)
+    xs = mx.take_along_axis(x, order, axis=-1)
+    ps = mx.take_along_axis(positions, order, axis=-1)
+    out = xs
     pad = lambda a, d, v: mx.pad(a, [(0, 0), (0, 0), d], constant_values=v)  # noqa
     big = 2**30
-    for d in range(1, radius + 1):
-        if d >= x.shape[-1]:
-            break
-        right, pos_r = pad(x[..., d:], (0, d), 0), pad(positions[..., d:], (0, d), big)
-        left, pos_l = pad(x[..., :-d], (d, 0), 0), pad(positions[..., :-d], (d, 0), -big)
-        out = mx.maximum(out, mx.where(pos_r - positions == d, right, 0.0))
-        out = mx.maximum(out, mx.where(positions - pos_l == d, left, 0.0))
-    return out
+    # Positions are unique: those within radius sit at most radius slots away.
+    for d in range(1, min(radius, x.shape[-1] - 1) + 1):
+        right, pos_r = pad(xs[..., d:], (0, d), 0), pad(ps[..., d:], (0, d), big)
+        left, pos_l = pad(xs[..., :-d], (d, 0), 0), pad(ps[..., :-d], (d, 0), -big)
+        out = mx.maximum(out, mx.where(pos_r - ps <= radius, right, 0.0))
+        out = mx.maximum(out, mx.where(ps - pos_l <= radius, left, 0.0))
+    return mx.take_along_axis(out, mx.argsort(order, axis=-1), axis=-1)
 
 
 def eviction_score(mode: str, score: mx.array, count: mx.array) -> mx.array:
