@@ -17,6 +17,7 @@ Usage: python scripts/make_swift_vectors.py [--out swift/Tests/Vectors]
 """
 
 import argparse
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -236,7 +237,8 @@ def run_stream(s: Stream) -> dict:
 
 
 def streams():
-    C = H2OConfig
+    # Streams pin the scoring they were written for, whatever the library defaults.
+    C = functools.partial(H2OConfig, score="ema", prefill_window=0, prefill_pool=0)
     decode = lambda k: (1,) * k
     return [
         Stream(
