@@ -51,7 +51,8 @@ def main(argv=None) -> int:
         for budget in args.budgets:
             for st in strategies:
                 max_kv = budget_tokens(budget, ctx)
-                key = f"{st.name}-ctx{ctx}" + (f"-b{budget:g}" if st.bounded else "")
+                key = f"{st.key(max_kv)}-ctx{ctx}"
+                key += f"-b{budget:g}" if st.bounded else ""
                 res = rdir.load(key)
                 if res is None:
                     res = run_strategy(model, tokenizer, prompts, st, max_kv,

@@ -152,7 +152,8 @@ def sweep(
 
 def _unit(model, tokens, strategy, max_kv, rdir, log, **kw):
     L = tokens.shape[1]
-    key = f"{strategy.name}-kv{max_kv}-L{L}" if max_kv else f"{strategy.name}-L{L}"
+    name = strategy.key(max_kv)
+    key = f"{name}-kv{max_kv}-L{L}" if max_kv else f"{name}-L{L}"
     row = rdir.load(key) if rdir is not None else None
     if row is None:
         row = run_ppl(model, tokens, strategy, max_kv or L, **kw)

@@ -61,6 +61,15 @@ class Strategy:
             d.update(config_to_dict(self.h2o_config(max_kv)))
         return d
 
+    def key(self, max_kv: int) -> str:
+        """A file-name key: the name, plus a hash of the resolved H2O config, so
+        results saved under other library defaults are never reused."""
+        if self.kind != "h2o":
+            return self.name
+        from .results import config_hash
+
+        return f"{self.name}-{config_hash(config_to_dict(self.h2o_config(max_kv)))[:6]}"
+
     def make_cache(self, model, max_kv: int) -> list[Any]:
         if self.kind == "baseline":
             return make_prompt_cache(model)
