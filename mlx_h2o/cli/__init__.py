@@ -21,6 +21,10 @@ def _usage() -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    if argv is None:  # run as a program: safe to re-exec with OpenBLAS
+        from ..blas import reexec_with_openblas
+
+        reexec_with_openblas()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
@@ -29,8 +33,5 @@ def main(argv: Optional[List[str]] = None) -> int:
     if name not in COMMANDS:
         print(f"mlx-h2o: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    from ..blas import reexec_with_openblas
-
-    reexec_with_openblas()
     module = importlib.import_module(f"mlx_h2o.cli.{name}")
     return module.main(rest) or 0

@@ -5,6 +5,7 @@ runs the embedded default model (prepared offline from a PyPI package).
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import List, Optional
@@ -14,11 +15,15 @@ from mlx_lm.generate import setup_arg_parser as mlx_lm_arg_parser
 from mlx_lm.sample_utils import make_sampler
 
 from ..cache import load_prompt_cache
+from ..cache.quantized import QuantConfig, quantized_cache_type
 from ..config import SCORE_MODES, H2OConfig
 from ..integration.factory import make_h2o_cache
 from ..integration.generate import generate
 from ..integration.stats import cache_stats
 from ..models import DEFAULT_MODEL, load_model
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(H2OConfig)}
 
 
 def add_h2o_args(parser: argparse.ArgumentParser) -> None:
@@ -31,8 +36,21 @@ def add_h2o_args(parser: argparse.ArgumentParser) -> None:
                        help="Recent-window slots (default: derived)")
     group.add_argument("--h2o-sink-size", type=int, default=4,
                        help="Attention-sink positions always kept (default: 4)")
-    group.add_argument("--h2o-score", choices=SCORE_MODES, default="ema",
-                       help="Score mode (default: ema)")
+    group.add_argument("--h2o-score", choices=SCORE_MODES, default=None,
+                       help=f"Score mode (default: {_DEFAULTS['score']})")
+    group.add_argument("--h2o-prefill-window", type=int, default=None,
+                       help="Score a prompt chunk that overflows the budget by its last "
+                       f"queries only (default: {_DEFAULTS['prefill_window']}; 0 = all)")
+    group.add_argument("--h2o-prefill-pool", type=int, default=None,
+                       help="Max-pool such a chunk's scores over neighbouring positions "
+                       f"(default: {_DEFAULTS['prefill_pool']})")
+    group.add_argument("--h2o-kv-bits", type=int, choices=(4, 8), default=None,
+                       help="Quantize the kept K/V (QuantizedH2OKVCache)")
+    group.add_argument("--h2o-kv-group-size", type=int, choices=(32, 64, 128), default=64,
+                       help="Quantization group size along head_dim (default: 64)")
+    group.add_argument("--h2o-kv-recent-bits", type=int, choices=(4,), default=None,
+                       help="Mixed precision: recent window at these bits, the rest "
+                       "at --h2o-kv-bits (e.g. 8 heavy / 4 recent)")
     group.add_argument("--no-h2o", action="store_true",
                        help="Plain mlx-lm caches (for comparison)")
 
@@ -52,11 +70,22 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def h2o_config_from_args(args) -> Optional[H2OConfig]:
     if args.no_h2o:
         return None
+    options = dict(score=args.h2o_score, prefill_window=args.h2o_prefill_window,
+                   prefill_pool=args.h2o_prefill_pool)
     return H2OConfig(
         max_size=args.h2o_max_size, sink_size=args.h2o_sink_size,
         heavy_budget=args.h2o_heavy_budget, recent_budget=args.h2o_recent_budget,
-        score=args.h2o_score,
+        **{k: v for k, v in options.items() if v is not None},
     )
+
+
+def quant_config_from_args(args) -> Optional[QuantConfig]:
+    if args.h2o_kv_bits is None:
+        if args.h2o_kv_recent_bits is not None:
+            raise ValueError("--h2o-kv-recent-bits needs --h2o-kv-bits (e.g. 8)")
+        return None
+    return QuantConfig(bits=args.h2o_kv_bits, group_size=args.h2o_kv_group_size,
+                       recent_bits=args.h2o_kv_recent_bits)
 
 
 def _check_unsupported(args, config) -> None:
@@ -105,8 +134,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.prompt_cache_file:
         cache = load_prompt_cache(args.prompt_cache_file)
     elif config is not None:
-        cache = make_h2o_cache(model, config)
-        cache += make_h2o_cache(draft, config) if draft is not None else []
+        cache_type = quantized_cache_type(quant_config_from_args(args))
+        cache = make_h2o_cache(model, config, cache_type)
+        cache += make_h2o_cache(draft, config, cache_type) if draft is not None else []
     else:
         cache = None
     sampler = make_sampler(
