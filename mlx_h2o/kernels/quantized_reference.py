@@ -12,7 +12,12 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from .reference import Mask, grouped_mask, scaled_dot_product_attention_with_scores
+from .reference import (
+    Mask,
+    grouped_mask,
+    masked_softmax,
+    scaled_dot_product_attention_with_scores,
+)
 
 Triple = tuple[mx.array, mx.array, mx.array]
 BITS = (2, 4, 8)  # power-of-two widths: a uint32 holds 32 / bits whole values
@@ -133,23 +138,10 @@ def quantized_matmul_attention_with_scores(
         bits=bits,
     )
     logits = logits.reshape(B, Hk, G, L, N) * scale
-    m = grouped_mask(mask, B, Hq, Hk, L, N)
-    if m is not None:
-        if m.dtype == mx.bool_:
-            logits = mx.where(m, logits, -mx.inf)
-        else:
-            logits = logits + m.astype(mx.float32)
-    row_max = logits.max(axis=-1, keepdims=True)
-    if sinks is not None:
-        sink = sinks.astype(mx.float32).reshape(1, Hk, G, 1, 1)
-        row_max = mx.maximum(row_max, sink)
-    shift = mx.where(mx.isinf(row_max), 0.0, row_max)
-    e = mx.exp(logits - shift)
-    denom = e.sum(axis=-1, keepdims=True)
-    if sinks is not None:
-        denom = denom + mx.exp(sink - shift)
-    lse = mx.log(denom) + shift
-    probs = (e / mx.where(denom > 0, denom, 1.0)).reshape(B, Hk, G * L, N)
+    logits, probs, lse = masked_softmax(
+        logits, grouped_mask(mask, B, Hq, Hk, L, N), sinks
+    )
+    probs = probs.reshape(B, Hk, G * L, N)
     vw, vs, vb = values
     out = mx.quantized_matmul(
         probs,

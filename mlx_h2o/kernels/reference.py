@@ -43,6 +43,31 @@ def grouped_mask(mask: Mask, B: int, Hq: int, Hk: int, L: int, N: int):
     )
 
 
+def masked_softmax(logits: mx.array, mask, sinks: Optional[mx.array] = None):
+    """Mask grouped float32 logits (B, Hk, G, L, N); return (logits, probs, lse).
+
+    ``mask`` in the grouped layout of ``grouped_mask``; ``sinks`` (n_heads,)
+    add a softmax column with no value.
+    """
+    if mask is not None:
+        if mask.dtype == mx.bool_:
+            logits = mx.where(mask, logits, -mx.inf)
+        else:
+            logits = logits + mask.astype(mx.float32)
+    row_max = logits.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = sinks.astype(mx.float32).reshape(1, *logits.shape[1:3], 1, 1)
+        row_max = mx.maximum(row_max, sink)
+    # Fully masked rows: keep the shift finite so they give out 0, lse -inf.
+    shift = mx.where(mx.isinf(row_max), 0.0, row_max)
+    e = mx.exp(logits - shift)
+    denom = e.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + mx.exp(sink - shift)
+    lse = mx.log(denom) + shift
+    return logits, e / mx.where(denom > 0, denom, 1.0), lse
+
+
 def scaled_dot_product_attention_with_scores(
     queries: mx.array,
     keys: mx.array,
@@ -75,24 +100,9 @@ def scaled_dot_product_attention_with_scores(
     k = mx.expand_dims(keys.astype(mx.float32), 2)  # (B, Hk, 1, N, D)
     v = mx.expand_dims(values.astype(mx.float32), 2)
     logits = (q @ k.swapaxes(-1, -2)) * scale  # (B, Hk, G, L, N)
-    m = grouped_mask(mask, B, Hq, Hk, L, N)
-    if m is not None:
-        if m.dtype == mx.bool_:
-            logits = mx.where(m, logits, -mx.inf)
-        else:
-            logits = logits + m.astype(mx.float32)
-    row_max = logits.max(axis=-1, keepdims=True)
-    if sinks is not None:
-        sink = sinks.astype(mx.float32).reshape(1, Hk, G, 1, 1)
-        row_max = mx.maximum(row_max, sink)
-    # Fully masked rows: keep the shift finite so they give out 0, lse -inf.
-    shift = mx.where(mx.isinf(row_max), 0.0, row_max)
-    e = mx.exp(logits - shift)
-    denom = e.sum(axis=-1, keepdims=True)
-    if sinks is not None:
-        denom = denom + mx.exp(sink - shift)
-    lse = mx.log(denom) + shift
-    probs = e / mx.where(denom > 0, denom, 1.0)
+    logits, probs, lse = masked_softmax(
+        logits, grouped_mask(mask, B, Hq, Hk, L, N), sinks
+    )
     out = (probs @ v).astype(queries.dtype)
     return (
         out.reshape(B, Hq, L, -1),
