@@ -17,15 +17,15 @@ extension H2OConfig {
         guard let maxSize = try int("max_size") else {
             throw H2OConfigError("max_size is required")
         }
-        let score = try ScoreMode(name: d["score"] as? String ?? "ema")
+        let score = try ScoreMode(name: d["score"] as? String ?? "accumulated")
         let alpha = (d["ema_alpha"] as? NSNumber)?.doubleValue ?? 0.95
         let pairs = (d["pinned"] as? [[Any]] ?? []).map { $0.map { ($0 as? NSNumber)?.intValue ?? -1 } }
         try self.init(
             maxSize: maxSize, sinkSize: try int("sink_size") ?? 4,
             heavyBudget: try int("heavy_budget"), recentBudget: try int("recent_budget"),
             score: score, emaAlpha: alpha, pinned: try pinnedRanges(pairs),
-            step: try int("step") ?? 256, prefillWindow: try int("prefill_window") ?? 0,
-            prefillPool: try int("prefill_pool") ?? 0)
+            step: try int("step") ?? 256, prefillWindow: try int("prefill_window") ?? 32,
+            prefillPool: try int("prefill_pool") ?? 11)
     }
 
     /// Parses `json.dumps(config_to_dict(config))`.

@@ -128,17 +128,17 @@ const int kpos = key == w ? Q : pos_in[pbase + key * pst];
 
 """#,
         "MASK_ADD": #"""
-x_ += static_cast<float>(mask[moff[r] + (i64)key * mst3]);
+x_ += static_cast<float>(mask[moff + (i64)key * mst3]);
 """#,
         "MASK_BOOL": #"""
-if (!mask[moff[r] + (i64)key * mst3]) x_ = -H2O_INF;
+if (!mask[moff + (i64)key * mst3]) x_ = -H2O_INF;
 """#,
         "MASK_CAUSAL": #"""
 if (key > N - L + H2O_ROW_L(r)) x_ = -H2O_INF;
 """#,
         "MASK_SETUP": #"""
 
-  i64 moff[R];
+  i64 moff;
   i64 mst3;
   {
     const int nd = mask_ndim;
@@ -149,11 +149,9 @@ if (key > N - L + H2O_ROW_L(r)) x_ = -H2O_INF;
       st[a] = (i < 0 || mask_shape[i] == 1) ? 0 : (i64)mask_strides[i];
     }
     mst3 = st[3];
-    H2O_UNROLL
-    for (int r = 0; r < R; ++r) {
-      const int head = MH == 1 ? H2O_ROW_HQ(r) : (MH == 2 ? hk : 0);
-      moff[r] = b * st[0] + head * st[1] + H2O_ROW_L(r) * st[2];
-    }
+    const int r = my_r < R ? my_r : 0;  // the row this lane masks
+    const int head = MH == 1 ? H2O_ROW_HQ(r) : (MH == 2 ? hk : 0);
+    moff = b * st[0] + head * st[1] + H2O_ROW_L(r) * st[2];
   }
 
 """#,
@@ -167,12 +165,29 @@ if (window > 0 && kpos <= Q - window) x_ = -H2O_INF;
 typedef long i64;
 #define H2O_ROW_HQ(r) (hk * G + (rt * R + (r)) / L)
 #define H2O_ROW_L(r) ((rt * R + (r)) % L)
+// One reduce-scatter level over x[0 .. 2 * HALF) across lanes `lane ^ M`:
+// a lane keeps the half its bit selects and adds the partner's copy of it
+// (HALF == 0: the values are already scattered, plain butterfly add).
+#define H2O_RS(M, HALF)                                                  \
+  if ((HALF) > 0) {                                                      \
+    const bool up_ = (lane & (M)) != 0;                                  \
+    H2O_UNROLL                                                           \
+    for (int i_ = 0; i_ < (HALF); ++i_) {                                \
+      const float lo_ = x[i_];                                           \
+      const float hi_ = x[i_ + (HALF)];                                  \
+      const float got_ = H2O_SHFL_XOR(up_ ? lo_ : hi_, (M));             \
+      x[i_] = (up_ ? hi_ : lo_) + got_;                                  \
+    }                                                                    \
+  } else {                                                               \
+    x[0] += H2O_SHFL_XOR(x[0], (M));                                     \
+  }
 #define H2O_SHARED threadgroup
 #define H2O_THREAD thread
 #define H2O_BARRIER() threadgroup_barrier(metal::mem_flags::mem_threadgroup)
 #define H2O_BARRIER_DEVICE() \
   threadgroup_barrier(metal::mem_flags::mem_device | metal::mem_flags::mem_threadgroup)
 #define H2O_SHFL_XOR(x, m) metal::simd_shuffle_xor((x), (ushort)(m))
+#define H2O_SHFL(x, src) metal::simd_shuffle((x), (ushort)(src))
 #define H2O_EXP(x) metal::precise::exp(x)
 #define H2O_LOG(x) metal::precise::log(x)
 #define H2O_FABS(x) metal::fabs(x)
@@ -225,13 +240,22 @@ H2O_FN void h2o_cvt(thread const H2ORaw<T, E>& r, thread float* out) {
 
 $IDS
   constexpr int NT = 128;
-  constexpr int NG = NT / TPK;      // key groups per block
+  constexpr int NG = NT / 32;       // warps; a warp reads one key row at a time
   constexpr int STEP = NG * U;      // keys per block iteration
   constexpr int RT = G * L / R;     // row tiles per KV head
+  // The R x U logits of a warp iteration are reduced across the warp so that
+  // each lane ends with one (row, key) of them: lane >> SH is its index.
+  constexpr int RP = R <= 1 ? 1 : (R <= 2 ? 2 : (R <= 4 ? 4 : 8));
+  constexpr int V = RP * U;
+  constexpr int SH = V >= 32 ? 0 : (V >= 16 ? 1 : (V >= 8 ? 2 : (V >= 4 ? 3 : 4)));
+  constexpr int LOGU = U >= 8 ? 3 : (U >= 4 ? 2 : (U >= 2 ? 1 : 0));
 
-  const int grp = tid / TPK;
-  const int li = tid % TPK;
+  const int grp = warp;
+  const int li = lane;
   const bool lane_on = li * EPL < D;
+  const int my_r = (lane >> SH) / U;  // the (row, key) this lane owns after a reduction
+  const int my_u = (lane >> SH) % U;
+  const bool owner = (lane & ((1 << SH) - 1)) == 0;  // first of its replicas
   const int unit = blk_x;
   const int rt = unit % RT;
   const int b = unit / (RT * HK);
@@ -276,27 +300,25 @@ $FUSED_SETUP
   H2O_SHARED float l_s[R];
   H2O_SHARED float red[NT * EPL];
 
-  // Each key group runs its own online softmax over its keys (no block
-  // barriers in the loop); groups merge once at the end.
-  float m_run[R];
-  float l_run[R];
+  // Each warp runs its own online softmax over its keys (no block barriers
+  // in the loop); lanes keep m / l of the row they own, acc for all rows.
+  float m_run = -H2O_INF;
+  float l_run = 0.0f;
+$SINK_INIT
   float acc[R][EPL];
   H2O_UNROLL
   for (int r = 0; r < R; ++r) {
-    m_run[r] = -H2O_INF;
-    l_run[r] = 0.0f;
-$SINK_INIT
     H2O_UNROLL
     for (int e = 0; e < EPL; ++e) acc[r][e] = 0.0f;
   }
 
-  for (int base = n0; base < n1; base += STEP) {
+  for (int base = n0 + grp * U; base < n1; base += STEP) {
     // K and V rows of this iteration go out together: one memory round trip.
     H2ORaw<T, EPL> kr[U];
     H2ORaw<T, EPL> vr[U];
     H2O_UNROLL
     for (int u = 0; u < U; ++u) {
-      const int key = base + u * NG + grp;
+      const int key = base + u;
       if (key < n1 && lane_on) {
         h2o_fetch<EPL>(k + kbase + key * ks, k_strides[3], kvec, kr[u]);
         h2o_fetch<EPL>(v + vbase + key * vs, v_strides[3], vvec, vr[u]);
@@ -305,87 +327,83 @@ $SINK_INIT
         h2o_zero<EPL>(vr[u]);
       }
     }
-    // Logits of U keys for every row; every lane of the group ends with all.
-    float x[R][U];
+    // Partial dots of this lane's slice, then a reduce-scatter over the warp.
+    float x[V];
     H2O_UNROLL
     for (int u = 0; u < U; ++u) {
-      const int key = base + u * NG + grp;
       float kf[EPL];
       h2o_cvt<EPL>(kr[u], kf);
       H2O_UNROLL
-      for (int r = 0; r < R; ++r) {
+      for (int r = 0; r < RP; ++r) {
         float s = 0.0f;
-        H2O_UNROLL
-        for (int e = 0; e < EPL; ++e) s += qf[r][e] * kf[e];
-        x[r][u] = s;
-      }
-      H2O_UNROLL
-      for (int off = TPK / 2; off > 0; off >>= 1) {
-        H2O_UNROLL
-        for (int r = 0; r < R; ++r) x[r][u] += H2O_SHFL_XOR(x[r][u], off);
-      }
-      if (key < n1) {
-$FUSED_KPOS
-        H2O_UNROLL
-        for (int r = 0; r < R; ++r) {
-          float x_ = x[r][u] * scale;
-$MASK_APPLY
-          x[r][u] = x_;
-          if (r % TPK == li) {
-            logits[((i64)(b * HK * G + H2O_ROW_HQ(r)) * L + H2O_ROW_L(r)) * N + key] = x_;
-          }
+        if (r < R) {
+          H2O_UNROLL
+          for (int e = 0; e < EPL; ++e) s += qf[r][e] * kf[e];
         }
-      } else {
-        H2O_UNROLL
-        for (int r = 0; r < R; ++r) x[r][u] = -H2O_INF;
+        x[r * U + u] = s;
       }
     }
-    // Online softmax update, then p * V.
-    H2O_UNROLL
-    for (int r = 0; r < R; ++r) {
-      float mx = x[r][0];
-      H2O_UNROLL
-      for (int u = 1; u < U; ++u) mx = H2O_FMAX(mx, x[r][u]);
-      const float m_new = H2O_FMAX(m_run[r], mx);
-      const float shift = m_new == -H2O_INF ? 0.0f : m_new;
-      const float alpha = m_run[r] == -H2O_INF ? 0.0f : H2O_EXP(m_run[r] - m_new);
-      float ps = 0.0f;
-      H2O_UNROLL
-      for (int u = 0; u < U; ++u) {
-        x[r][u] = H2O_EXP(x[r][u] - shift);
-        ps += x[r][u];
+    H2O_RS(16, V / 2);
+    H2O_RS(8, V / 4);
+    H2O_RS(4, V / 8);
+    H2O_RS(2, V / 16);
+    H2O_RS(1, V / 32);
+    const int key = base + my_u;
+    const int r = my_r;
+    float x_ = -H2O_INF;
+    if (key < n1 && r < R) {
+$FUSED_KPOS
+      x_ = x[0] * scale;
+$MASK_APPLY
+      if (owner) {
+        logits[((i64)(b * HK * G + H2O_ROW_HQ(r)) * L + H2O_ROW_L(r)) * N + key] = x_;
       }
-      l_run[r] = l_run[r] * alpha + ps;
-      m_run[r] = m_new;
+    }
+    // Online softmax of the row over its U keys (lanes that differ in the key bits).
+    float mx = x_;
+    H2O_UNROLL
+    for (int j = 0; j < LOGU; ++j) mx = H2O_FMAX(mx, H2O_SHFL_XOR(mx, 1 << (SH + j)));
+    const float m_new = H2O_FMAX(m_run, mx);
+    const float shift = m_new == -H2O_INF ? 0.0f : m_new;
+    const float alpha = m_run == -H2O_INF ? 0.0f : H2O_EXP(m_run - m_new);
+    const float p = H2O_EXP(x_ - shift);
+    float ps = p;
+    H2O_UNROLL
+    for (int j = 0; j < LOGU; ++j) ps += H2O_SHFL_XOR(ps, 1 << (SH + j));
+    l_run = l_run * alpha + ps;
+    m_run = m_new;
+    // Every lane needs every row's alpha and p for its slice of acc.
+    H2O_UNROLL
+    for (int rr = 0; rr < R; ++rr) {
+      const float a = H2O_SHFL(alpha, (rr * U) << SH);
       H2O_UNROLL
-      for (int e = 0; e < EPL; ++e) acc[r][e] *= alpha;
+      for (int e = 0; e < EPL; ++e) acc[rr][e] *= a;
     }
     H2O_UNROLL
     for (int u = 0; u < U; ++u) {
       float vf[EPL];
       h2o_cvt<EPL>(vr[u], vf);
       H2O_UNROLL
-      for (int r = 0; r < R; ++r) {
+      for (int rr = 0; rr < R; ++rr) {
+        const float pr = H2O_SHFL(p, (rr * U + u) << SH);
         H2O_UNROLL
-        for (int e = 0; e < EPL; ++e) acc[r][e] += x[r][u] * vf[e];
+        for (int e = 0; e < EPL; ++e) acc[rr][e] += pr * vf[e];
       }
     }
   }
 
-  // Merge the groups: row max over groups, each group's sum rescaled to it.
-  if (li == 0) {
-    H2O_UNROLL
-    for (int r = 0; r < R; ++r) {
-      gm_s[grp * R + r] = m_run[r];
-      gl_s[grp * R + r] = l_run[r];
-    }
+  // Merge the warps: row max over warps, each warp's sum rescaled to it.
+  if (owner && my_u == 0 && my_r < R) {
+    gm_s[grp * R + my_r] = m_run;
+    gl_s[grp * R + my_r] = l_run;
   }
   H2O_UNROLL
   for (int r = 0; r < R; ++r) {
     H2O_BARRIER();
     float M = -H2O_INF;
     for (int j = 0; j < NG; ++j) M = H2O_FMAX(M, gm_s[j * R + r]);
-    const float mine = m_run[r] == -H2O_INF ? 0.0f : H2O_EXP(m_run[r] - M);
+    const float gm = gm_s[grp * R + r];
+    const float mine = gm == -H2O_INF ? 0.0f : H2O_EXP(gm - M);
     H2O_UNROLL
     for (int e = 0; e < EPL; ++e) red[tid * EPL + e] = acc[r][e] * mine;
     if (tid == 0) {
@@ -400,7 +418,7 @@ $MASK_APPLY
     H2O_BARRIER();
     for (int d = tid; d < D; d += NT) {
       float s = 0.0f;
-      for (int j = 0; j < NG; ++j) s += red[j * TPK * EPL + d];
+      for (int j = 0; j < NG; ++j) s += red[j * 32 * EPL + d];
 $WRITE_ROW
     }
   }
@@ -462,10 +480,10 @@ $TAIL
 """#,
         "SINK_INIT_PASS1": #"""
 
-    if (grp == 0) {  // the sink column counts once, in group 0
-      m_run[r] = static_cast<float>(sinks[H2O_ROW_HQ(r)]);
-      l_run[r] = 1.0f;
-    }
+  if (grp == 0 && my_r < R) {  // the sink column counts once, in warp 0
+    m_run = static_cast<float>(sinks[H2O_ROW_HQ(my_r)]);
+    l_run = 1.0f;
+  }
 
 """#,
         "SINK_MAX_PASS2": #"""

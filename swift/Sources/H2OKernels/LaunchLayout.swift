@@ -15,25 +15,22 @@ public struct LaunchLayout: Equatable, Sendable {
     /// Keys per block iteration (splits are multiples of it).
     public let tile: Int
 
-    /// The layout for head dim `D`, element size `itemSize` bytes, GQA group `G`,
-    /// `L` queries; `U` 0 picks 8 keys per lane group, or 4 where R * EPL > 32
-    /// (q and acc hold 2 * R * EPL floats; U keys of K and V add 8 * U registers).
+    /// The layout for head dim `D`, element size `itemSize` bytes (unused: the
+    /// layout no longer depends on it), GQA group `G`, `L` queries. A warp reads
+    /// one key row, each lane EPL = 2, 4 or 8 elements; `U` 0 picks
+    /// min(8, 32 / R rounded up to a power of two) keys per lane group.
     public init(D: Int, itemSize: Int, G: Int, L: Int, U: Int = KernelConstants.keysPerLaneGroup) {
-        let vec = 16 / itemSize  // elements per 16-byte load
-        let lanes = max(1, (D + vec - 1) / vec)
-        var tpk = 1
-        while tpk < lanes { tpk <<= 1 }  // next power of two
-        tpk = min(32, tpk)
-        var epl = (D + tpk - 1) / tpk
-        epl = (epl + vec - 1) / vec * vec
+        let epl = [2, 4, 8].first { 32 * $0 >= D && D % $0 == 0 } ?? 8
         let all = G * L
         let r = (1 ... KernelConstants.maxRows).last { all % $0 == 0 }!
+        var padded = 1
+        while padded < r { padded <<= 1 }  // rows padded to a power of two
         rows = r
         rowTiles = all / r
-        lanesPerKey = tpk
+        lanesPerKey = 32
         elementsPerLane = epl
-        keysPerLaneGroup = U != 0 ? U : (r * epl <= 32 ? 8 : 4)
-        tile = (KernelConstants.threadsPerBlock / tpk) * keysPerLaneGroup
+        keysPerLaneGroup = U != 0 ? U : min(8, 32 / padded)
+        tile = (KernelConstants.threadsPerBlock / 32) * keysPerLaneGroup
     }
 
     /// Template constants shared by both passes (`T` is added by the caller).
