@@ -171,6 +171,7 @@ class MixedPrecisionH2OKVCache(QuantizedH2OKVCache):
             )
         self.kv.write_slot(target, keys, values)
         self.evicted += 1
+        return target
 
 
 def quantized_cache_type(quant: QuantConfig | None):
