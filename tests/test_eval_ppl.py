@@ -125,3 +125,29 @@ def test_atomic_write_keeps_old_file_on_error(tmp_path):
         write_json(f, {"a": object.__new__(type("X", (), {"__str__": None}))})
     assert json.loads(f.read_text()) == {"a": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_ratio_vs_matches_hand_computation():
+    base = {"nll_per_sample": [3.0, 3.2, 2.9, 3.1]}
+    ref = {"nll_per_sample": [3.03, 3.23, 2.93, 3.13]}  # +3% (exactly 0.03 nats each)
+    cand = {"nll_per_sample": [3.01, 3.21, 2.91, 3.11]}  # +1%
+    out = ppl.ratio_vs(cand, ref, base, boot=200)
+    er, ec = math.exp(0.03) - 1, math.exp(0.01) - 1
+    assert out["ratio"] == pytest.approx(ec / er)
+    assert out["ratio_se"] == pytest.approx(0, abs=1e-9)  # constant differences
+    assert out["margin_pct"] == pytest.approx(100 * (ec - er / 3))
+    lo, hi = out["ratio_ci95"]
+    assert lo == pytest.approx(ec / er) and hi == pytest.approx(ec / er)
+
+
+def test_ratio_vs_se_agrees_with_bootstrap():
+    rng = __import__("numpy").random.default_rng(3)
+    base = rng.normal(3, 0.2, 200)
+    ref = base + rng.normal(0.03, 0.01, 200)
+    cand = base + 0.3 * (ref - base) + rng.normal(0, 0.004, 200)
+    out = ppl.ratio_vs({"nll_per_sample": list(cand)}, {"nll_per_sample": list(ref)},
+                       {"nll_per_sample": list(base)}, boot=4000)
+    lo, hi = out["ratio_ci95"]
+    # for n = 200 the bootstrap interval is ~ +-1.96 se around R
+    assert (hi - lo) / (2 * 1.96) == pytest.approx(out["ratio_se"], rel=0.15)
+    assert lo < out["ratio"] < hi

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx import nn
 
 from ..integration.routing import patch
@@ -83,6 +84,45 @@ def compare(result: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
     mean, se = mean_se(diffs)
     ratio = math.exp(mean)
     return {"delta_pct": 100 * (ratio - 1), "delta_se_pct": 100 * ratio * se}
+
+
+def ratio_vs(
+    cand: dict[str, Any], ref: dict[str, Any], base: dict[str, Any],
+    target: float = 1 / 3, boot: int = 10000, seed: int = 0,
+) -> dict[str, Any]:
+    """R = delta_cand / delta_ref (both in % vs ``base``, paired per sample).
+
+    Returns both deltas, R with a delta-method standard error (the covariance
+    of the two paired differences included) and a bootstrap 95% interval
+    (samples resampled jointly), and the margin delta_cand - target * delta_ref
+    with its standard error (negative: R <= target).
+    """
+    b = np.asarray(base["nll_per_sample"])
+    d = np.stack([np.asarray(cand["nll_per_sample"]) - b,
+                  np.asarray(ref["nll_per_sample"]) - b])  # (2, n) paired diffs
+    n = d.shape[1]
+    if n < 2:
+        raise ValueError("need at least 2 samples")
+    cov = np.cov(d) / n  # (2, 2) covariance of the two mean differences
+
+    def stats(m):
+        ea, eb = np.exp(m[0]) - 1, np.exp(m[1]) - 1
+        return ea, eb, ea / eb, ea - target * eb
+
+    m = d.mean(axis=1)
+    ea, eb, r, margin = stats(m)
+    g_r = np.array([np.exp(m[0]) / eb, -ea * np.exp(m[1]) / eb**2])
+    g_m = np.array([np.exp(m[0]), -target * np.exp(m[1])])
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, n, size=(boot, n))
+    rb = np.array([stats(d[:, i].mean(axis=1))[2] for i in idx])
+    return {
+        "n": n, "delta_cand_pct": 100 * ea, "delta_ref_pct": 100 * eb, "ratio": float(r),
+        "ratio_se": float(np.sqrt(g_r @ cov @ g_r)),
+        "ratio_ci95": [float(np.quantile(rb, 0.025)), float(np.quantile(rb, 0.975))],
+        "target": target, "margin_pct": float(100 * margin),
+        "margin_se_pct": float(100 * np.sqrt(g_m @ cov @ g_m)),
+    }
 
 
 def run_ppl(
