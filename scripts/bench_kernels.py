@@ -22,7 +22,7 @@ import mlx.core as mx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from mlx_h2o.kernels import decode, gpu_backend, h2o_decode_step  # noqa: E402
+from mlx_h2o.kernels import decode, gpu_backend, make_plan  # noqa: E402
 from mlx_h2o.kernels.decode import decode_attention  # noqa: E402
 
 B, HQ, HK = 1, 32, 8
@@ -100,8 +100,11 @@ def step_chains(N, D, dtype):
     knew = mx.random.normal((B, HK, 1, D)).astype(dtype)
     pos = mx.broadcast_to(mx.arange(N, dtype=mx.int32), (B, HK, N)) + 0
     zeros = mx.zeros((B, HK, N), mx.float32)
-    victim0 = mx.zeros((B, HK), mx.int32)
+    victim0 = mx.zeros((B, HK, 1, D), mx.int32)
     scale = D ** -0.5
+    # As the cache does it: the plan is built once, each step only launches.
+    plan = make_plan(q0, sets[0][0], pos, None, None, mode="ema", alpha=0.95, scale=scale,
+                     sink_size=4, recent_budget=N // 2, pinned=(), window_size=None)
 
     def kvcache(n):
         q, keys = q0, [list(s) for s in sets]
@@ -116,12 +119,9 @@ def step_chains(N, D, dtype):
         q, state = q0, [[k, v, pos, zeros, zeros + 0, victim0] for k, v in sets]
         for i in range(n):
             st = state[i % len(state)]
-            idx = st[5][..., None, None]
-            st[0] = mx.put_along_axis(st[0], idx, knew, axis=2)
-            st[1] = mx.put_along_axis(st[1], idx, knew, axis=2)
-            res = h2o_decode_step(q, st[0], st[1], st[2], st[3], st[4], slot=st[5],
-                                  offset=N + i, scale=scale, mode="ema", alpha=0.95, sink_size=4,
-                                  recent_budget=N // 2)
+            st[0] = mx.put_along_axis(st[0], st[5], knew, axis=2)
+            st[1] = mx.put_along_axis(st[1], st[5], knew, axis=2)
+            res = plan(q, st[0], st[1], st[2], st[3], st[4], st[5], None, N + i)
             st[2:6] = res[1:5]
             q = res.out
         return q

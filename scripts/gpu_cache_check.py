@@ -55,8 +55,11 @@ def check_correctness(dtype, steps=150):
     same_kept = all(np.array_equal(x, y) for x, y in zip(kept, kept_ref))
     err = mx.abs(a - b).max().item()
     agree = (a.argmax(-1) == b.argmax(-1)).astype(mx.float32).mean().item()
-    ok = same_kept and ca[0].evicted == cb[0].evicted == 100 + steps - 64 and agree == 1.0
-    print(f"correctness dtype={dtype} same_kept={same_kept} evicted={ca[0].evicted} "
+    took_fused = all(c._plan is not None for c in ca) and all(c._plan is None for c in cb)
+    ok = (same_kept and ca[0].evicted == cb[0].evicted == 100 + steps - 64 and agree == 1.0
+          and took_fused)
+    print(f"correctness dtype={dtype} fused_path_taken={took_fused} same_kept={same_kept} "
+          f"evicted={ca[0].evicted} "
           f"max_logit_err={err:.3g} greedy_agree={agree:.3f} -> {'ok' if ok else 'MISMATCH'}")
     return ok
 
@@ -85,18 +88,20 @@ def unfused(cfg, model):
     return cache
 
 
-def bench(context, budget, steps, repeats):
-    model = random_model("qwen3-8b", bits=4, dtype=mx.bfloat16)
+def bench(model, context, budgets, steps, repeats, unfused_too):
     n = len(model.layers)
-    evict = H2OConfig(max_size=budget, heavy_budget=budget // 2)
     strategies = {
         "kvcache": lambda: [KVCache() for _ in range(n)],
-        "rotating": lambda: [RotatingKVCache(max_size=budget, keep=4) for _ in range(n)],
         "h2o_no_evict": lambda: make_h2o_cache(model, H2OConfig(max_size=context + 512)),
-        "h2o_evict_fused": lambda: make_h2o_cache(model, evict),
-        "h2o_evict_unfused": lambda: unfused(evict, model),
     }
-    print(f"bench: qwen3-8b shapes 4-bit bf16 context={context} budget={budget} "
+    for b in budgets:
+        evict = H2OConfig(max_size=b, heavy_budget=b // 2)
+        strategies[f"rotating_{b}"] = lambda b=b: [RotatingKVCache(max_size=b, keep=4)
+                                                   for _ in range(n)]
+        strategies[f"h2o_evict_{b}"] = lambda e=evict: make_h2o_cache(model, e)
+        if unfused_too:
+            strategies[f"h2o_evict_{b}_unfused"] = lambda e=evict: unfused(e, model)
+    print(f"bench: qwen3-8b shapes 4-bit bf16 context={context} budgets={budgets} "
           f"steps={steps} repeats={repeats} mlx={mx.__version__}")
     runs = {k: [] for k in strategies}
     for r in range(repeats):
@@ -105,22 +110,28 @@ def bench(context, budget, steps, repeats):
             print(f"trial={r} strategy={name} decode_tok_s={runs[name][-1]:.2f}", flush=True)
     med = {k: statistics.median(v) for k, v in runs.items()}
     for k, v in med.items():
-        print(f"{k:>18}: {v:7.2f} tok/s  vs kvcache {v / med['kvcache']:.3f}  "
-              f"vs rotating {v / med['rotating']:.3f}")
-    print(json.dumps({"context": context, "budget": budget, "median_tok_s": med}))
+        rot = [r for r in med if r.startswith("rotating_") and k.startswith("h2o_evict_")
+               and r.split("_")[1] == k.split("_")[2]]
+        vs_rot = f"  vs {rot[0]} {v / med[rot[0]]:.3f}" if rot else ""
+        print(f"{k:>24}: {v:7.2f} tok/s  vs kvcache {v / med['kvcache']:.3f}{vs_rot}")
+    print(json.dumps({"context": context, "budgets": budgets, "median_tok_s": med}))
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--budget", type=int, default=256)
+    p.add_argument("--contexts", type=int, nargs="+", default=[4096])
+    p.add_argument("--budgets", type=int, nargs="+", default=[256])
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--unfused", action="store_true", help="also time the op-by-op path")
     p.add_argument("--no-bench", action="store_true")
+    p.add_argument("--no-check", action="store_true")
     args = p.parse_args()
-    ok = all([check_correctness(d) for d in (mx.float32, mx.float16)])
+    ok = args.no_check or all([check_correctness(d) for d in (mx.float32, mx.float16)])
     if not args.no_bench:
-        bench(args.context, args.budget, args.steps, args.repeats)
+        model = random_model("qwen3-8b", bits=4, dtype=mx.bfloat16)
+        for context in args.contexts:
+            bench(model, context, args.budgets, args.steps, args.repeats, args.unfused)
     sys.exit(0 if ok else 1)
 
 

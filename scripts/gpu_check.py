@@ -119,9 +119,10 @@ class FusedDriver:
             self.values[..., n:n + 1, :] = v
             slot, app, self.n = None, n, n + 1
         else:
-            if self.victim is None:
-                self.victim = self.policy_victim()
-            idx = self.victim[..., None, None]
+            if self.victim is None:  # the kernel's victim is (B, Hk, 1, D)
+                v0 = self.policy_victim()
+                self.victim = mx.broadcast_to(v0[..., None, None], (*v0.shape, 1, k.shape[3]))
+            idx = self.victim
             self.keys = mx.put_along_axis(self.keys, idx, k, axis=2)
             self.values = mx.put_along_axis(self.values, idx, v, axis=2)
             slot, app = self.victim, None
@@ -164,7 +165,12 @@ def fused_run(cfg, *, B, Hq, Hk, D, dtype, window, prefill, steps, splits, seed)
         n = ref.size()
         if full:
             stats["evictions"] += 1
-            mine = np.array(slot)
+            full_slot = np.array(slot)
+            mine = full_slot[..., 0, 0]
+            if not (full_slot == mine[..., None, None]).all():
+                stats["fails"] += 1
+                print(f"   step {t}: victim not repeated along D")
+                return stats
             if not np.array_equal(mine, ref_slot):
                 a = np.take_along_axis(pri, ref_slot[..., None], -1)
                 b = np.take_along_axis(pri, mine[..., None], -1)

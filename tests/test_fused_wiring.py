@@ -25,7 +25,9 @@ def emulated_step(q, k, v, positions, score, count, *, slot, append_slot, offset
                   mask, sinks):
     """h2o_decode_step's contract (kernels/h2o_step.py) in plain mx ops."""
     B, Hk, N = k.shape[0], k.shape[1], k.shape[2]
-    s = slot[..., None] if slot is not None else mx.full((B, Hk, 1), append_slot, mx.int32)
+    assert slot is None or slot.dtype == mx.int32  # the kernel reads int32
+    s = (slot.reshape(B, Hk, -1)[..., :1] if slot is not None
+         else mx.full((B, Hk, 1), append_slot, mx.int32))
     positions = put_slot(positions, s, mx.full(s.shape, offset - 1, mx.int32))
     score = put_slot(score, s, mx.zeros(s.shape, mx.float32))
     count = put_slot(count, s, mx.zeros(s.shape, mx.float32))
@@ -39,13 +41,30 @@ def emulated_step(q, k, v, positions, score, count, *, slot, append_slot, offset
     keep = policy.protected(pos, offset + 1, sink_size, recent_budget, pinned)
     pri = policy.priority(policy.eviction_score(mode, sc, cn), keep, pos, offset + 1, window_size)
     victim = policy.select_victim(pri, pos).astype(mx.int32)
+    victim = mx.broadcast_to(victim[..., None, None], (B, Hk, 1, k.shape[3]))
     return H2OStep(out, positions, score, count, victim, logits, lse)
+
+
+CALLS = []
+
+
+def emulated_plan(queries, keys, positions, mask, sinks, *, mode, alpha, scale, sink_size,
+                  recent_budget, pinned, window_size):
+    """kernels.make_plan's contract: a StepPlan-like callable."""
+    def step(q, k, v, positions, score, count, slot, append_slot, offset, mask=None, sinks=None):
+        CALLS.append(1)
+        return emulated_step(q, k, v, positions, score, count, slot=slot,
+                             append_slot=append_slot, offset=offset, scale=scale, mode=mode,
+                             alpha=alpha, sink_size=sink_size, recent_budget=recent_budget,
+                             pinned=pinned, window_size=window_size, mask=mask, sinks=sinks)
+    return step
 
 
 @pytest.fixture
 def emulated_kernel(monkeypatch):
-    monkeypatch.setattr(h2o_module, "h2o_step_supported", lambda *a, **k: True)
-    monkeypatch.setattr(h2o_module, "h2o_decode_step", emulated_step)
+    monkeypatch.setattr(h2o_module, "gpu_backend", lambda: "emulated")
+    monkeypatch.setattr(h2o_module, "fused_step_ok", lambda *a, **k: True)
+    monkeypatch.setattr(h2o_module, "make_plan", emulated_plan)
 
 
 def drive(cache, lengths, seed, trim_at=None):
@@ -76,9 +95,23 @@ def test_fused_path_matches_op_by_op_path(emulated_kernel, mode, window, trim_at
         np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-6)
 
 
-def test_fused_path_is_taken(emulated_kernel, monkeypatch):
-    calls = []
-    monkeypatch.setattr(h2o_module, "h2o_decode_step", lambda *a, **k: calls.append(1) or emulated_step(*a, **k))
+def test_fused_path_is_taken(emulated_kernel):
+    CALLS.clear()
     cache = H2OKVCache(H2OConfig(max_size=8))
     drive(cache, [4, 1, 1, 1, 1, 1, 1], 1)
-    assert len(calls) == 6  # every decode step, none for the chunk
+    assert len(CALLS) == 6  # every decode step, none for the chunk
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_deferred_metadata_on_the_op_by_op_path(emulated_kernel, monkeypatch, window):
+    """A GPU cache defers a decode token's position/scores to the fused step; when a
+    step takes the op-by-op path instead, it must write them itself."""
+    monkeypatch.setattr(h2o_module, "fused_step_ok", lambda *a, **k: False)
+    cfg = H2OConfig(max_size=12, sink_size=2, heavy_budget=5, score="accumulated")
+    lengths = [5] + [1] * 10 + [9] + [1] * 15
+    deferred, plain = H2OKVCache(cfg, window), H2OKVCache(cfg, window)
+    plain.use_fused_step = False
+    for a, b in zip(drive(deferred, lengths, 3), drive(plain, lengths, 3)):
+        np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-6)
+    for x, y in zip(deferred.state, plain.state):
+        np.testing.assert_array_equal(np.array(x), np.array(y))

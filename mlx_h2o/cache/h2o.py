@@ -8,7 +8,7 @@ from mlx_lm.models.base import create_causal_mask
 
 from .. import policy
 from ..config import H2OConfig, config_from_dict, config_to_dict
-from ..kernels import h2o_decode_step, h2o_step_supported
+from ..kernels import fused_step_ok, gpu_backend, make_plan
 from .storage import DenseKV, put_slot, resize_slots, take_slots
 
 NO_SCORES = (
@@ -49,8 +49,9 @@ class H2OKVCache:
         self.evicted = 0  # tokens evicted per (sequence, KV head)
         self._n = 0  # slots in use
         self._pending = False
-        self._victim = None  # (B, Hk) next victim, from the fused step
-        self._slot = None  # (B, Hk, 1) slot this step's token overwrote
+        self._victim = None  # (B, Hk, 1, D) next victim, from the fused step
+        self._slot = None  # (B, Hk, 1[, D]) slot this step's token overwrote
+        self._plan = self._plan_key = None  # the fused step's StepPlan
         self._meta_pending = False  # its position/scores are not written yet
         self.model_name = ""
 
@@ -68,13 +69,17 @@ class H2OKVCache:
         self._slot, self._meta_pending = None, False
         if L == 1 and self._n >= self.max_size and self._victim is not None:
             # The fused step picked this victim and writes the slot's metadata.
-            self._slot, self._meta_pending = self._victim[..., None], True
-            self.kv.write_slot(self._slot, keys, values)
+            self._slot, self._meta_pending = self._victim, True
+            self.kv.write_index(self._slot, keys, values)
             self.evicted += 1
         elif L == 1 and self._n >= self.max_size:
             self._slot = self._write_into_victim(keys, values)
         else:
-            self._append(keys, values)
+            # A decode token's position and scores wait for its attention: the
+            # fused step writes them itself (three slice updates saved).
+            defer = L == 1 and self._may_fuse()
+            self._append(keys, values, meta=not defer)
+            self._meta_pending = defer
         self._victim = None
         self.offset += L
         self._pending = True
@@ -85,7 +90,7 @@ class H2OKVCache:
         if self._fused(queries, keys, values, mask, sinks):
             return self._fused_step(queries, keys, values, scale, mask, sinks)
         if self._meta_pending:
-            self._write_slot_meta(self._slot)
+            self._write_pending_meta()
         mask = self._mask(queries.shape[2], mask)
         out, logits, lse = self.kv.attention(
             queries, keys, values, scale=scale, mask=mask, sinks=sinks
@@ -197,16 +202,28 @@ class H2OKVCache:
         return obj
 
     # --- slots ----------------------------------------------------------------
-    def _append(self, keys, values):
+    def _append(self, keys, values, meta=True):
         L, n = keys.shape[2], self._n
         need = n + L
         if need > self.kv.capacity:
             self._grow(need, keys, values)
         self.kv.write(n, keys, values)
-        self.positions[..., n:need] = mx.arange(self.offset, self.offset + L)
-        self.score[..., n:need] = 0.0
-        self.count[..., n:need] = 0.0
         self._n = need
+        if meta:
+            self._write_append_meta(n, L, self.offset)
+
+    def _write_append_meta(self, n, L, first):
+        self.positions[..., n : n + L] = mx.arange(first, first + L)
+        self.score[..., n : n + L] = 0.0
+        self.count[..., n : n + L] = 0.0
+
+    def _write_pending_meta(self):
+        """The last decode token's position and scores, when no fused step wrote them."""
+        if self._slot is None:
+            self._write_append_meta(self._n - 1, 1, self.offset - 1)
+            self._meta_pending = False
+        else:
+            self._write_slot_meta(self._slot)
 
     def _grow(self, need, keys, values):
         step, cap, n = self.config.step, self.max_size, self._n
@@ -227,7 +244,8 @@ class H2OKVCache:
 
     def _write_into_victim(self, keys, values):
         pri, pos = self._priority(self.offset + 1)
-        slot = policy.select_victim(pri, pos)[..., None]  # (B, Hk, 1)
+        # int32: a fused step may read it next (argmin gives uint32).
+        slot = policy.select_victim(pri, pos).astype(mx.int32)[..., None]  # (B, Hk, 1)
         self.kv.write_slot(slot, keys, values)
         self._write_slot_meta(slot, self.offset)
         self.evicted += 1
@@ -235,6 +253,7 @@ class H2OKVCache:
 
     def _write_slot_meta(self, slot, position=None):
         """Position of the token written into ``slot``, with fresh scores."""
+        slot = slot[..., 0] if slot.ndim == 4 else slot  # a fused step's victim
         position = self.offset - 1 if position is None else position
         self.positions = put_slot(self.positions, slot, mx.full(slot.shape, position, mx.int32))
         zero = mx.zeros(slot.shape, mx.float32)
@@ -243,30 +262,44 @@ class H2OKVCache:
         self._meta_pending = False
 
     # --- fused GPU decode step ---------------------------------------------------
+    def _may_fuse(self) -> bool:
+        return self.use_fused_step and type(self.kv) is DenseKV and gpu_backend() is not None
+
     def _fused(self, queries, keys, values, mask, sinks) -> bool:
         return (
-            self.use_fused_step
-            and queries.shape[2] == 1
-            and type(self.kv) is DenseKV
+            queries.shape[2] == 1
+            and self._may_fuse()
             and not isinstance(mask, str)
-            and h2o_step_supported(queries, keys, values, self.positions, mask, sinks)
+            and fused_step_ok(queries, keys, values, self.positions, mask, sinks)
         )
 
     def _fused_step(self, queries, keys, values, scale, mask, sinks):
-        cfg, slot = self.config, self._slot
-        res = h2o_decode_step(
+        slot = self._slot
+        plan = self._step_plan(queries, keys, scale, mask, sinks)
+        res = plan(
             queries, keys, values, self.positions, self.score, self.count,
-            slot=None if slot is None else slot[..., 0].astype(mx.int32),
-            append_slot=self._n - 1 if slot is None else None,
-            offset=self.offset, scale=scale, mode=cfg.score, alpha=cfg.ema_alpha,
-            sink_size=cfg.sink_size, recent_budget=cfg.recent_budget,
-            pinned=cfg.pinned, window_size=self.window_size, mask=mask, sinks=sinks,
+            slot, self._n - 1 if slot is None else None, self.offset, mask, sinks,
         )
         self.positions, self.score, self.count = res.positions, res.score, res.count
         self._victim = res.victim if self._n >= self.max_size else None
         self._slot, self._meta_pending = None, False
         self._pending = False
         return res.out
+
+    def _step_plan(self, queries, keys, scale, mask, sinks):
+        # Rebuilt only when shapes, buffer capacity or the mask kind change.
+        key = (queries.shape, queries.dtype, self.positions.shape, scale, sinks is None)
+        if mask is None and key == self._plan_key:
+            return self._plan
+        cfg = self.config
+        plan = make_plan(
+            queries, keys, self.positions, mask, sinks, mode=cfg.score, alpha=cfg.ema_alpha,
+            scale=scale, sink_size=cfg.sink_size, recent_budget=cfg.recent_budget,
+            pinned=cfg.pinned, window_size=self.window_size,
+        )
+        if mask is None:
+            self._plan, self._plan_key = plan, key
+        return plan
 
     def _compact(self):
         pri, pos = self._priority(self.offset)

@@ -56,6 +56,11 @@ class DenseKV:
         self.keys = put_slot(self.keys, slot, keys)
         self.values = put_slot(self.values, slot, values)
 
+    def write_index(self, index: mx.array, keys: mx.array, values: mx.array):
+        """Write one token per row at ``index`` (B, Hk, 1, D), already broadcast."""
+        self.keys = mx.put_along_axis(self.keys, index, keys, axis=2)
+        self.values = mx.put_along_axis(self.values, index, values, axis=2)
+
     def gather(self, slots: mx.array, n: int):
         self.keys = take_slots(self.keys, slots, n)
         self.values = take_slots(self.values, slots, n)

@@ -13,7 +13,7 @@ import mlx.core as mx
 from . import reference
 from .build import gpu_backend
 from .decode import decode_attention, supported
-from .h2o_step import H2OStep, h2o_decode_step, h2o_step_supported
+from .h2o_step import H2OStep, fused_step_ok, h2o_decode_step, h2o_step_supported, make_plan
 from .reference import Mask, causal_mask
 
 
@@ -51,8 +51,10 @@ def scaled_dot_product_attention_with_scores(
 __all__ = [
     "H2OStep",
     "causal_mask",
+    "fused_step_ok",
     "gpu_backend",
     "h2o_decode_step",
     "h2o_step_supported",
+    "make_plan",
     "scaled_dot_product_attention_with_scores",
 ]

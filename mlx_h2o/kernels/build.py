@@ -14,6 +14,7 @@ MASK_KINDS = ("none", "causal", "bool", "add")
 SCORE_MODES = ("ema", "accumulated", "normalized", "attention_ema")
 
 
+@lru_cache(maxsize=1)
 def gpu_backend() -> Optional[str]:
     """'metal', 'cuda' or None (no GPU backend in this MLX build)."""
     if mx.metal.is_available():

@@ -5,7 +5,7 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .build import SCORE_MODES, _make_pass1_kernel, _make_pass2_kernel
+from .build import SCORE_MODES, _make_pass1_kernel, _make_pass2_kernel, gpu_backend
 from . import decode
 from .decode import NT, MAX_SPLITS, Mask, choose_splits, layout, mask_mode
 from .decode import params_f, supported
@@ -22,7 +22,8 @@ class H2OStep(NamedTuple):
     positions: mx.array  # (B, n_kv_heads, cap) int32, slot w holds `offset - 1`
     score: mx.array  # (B, n_kv_heads, cap) float32, this step folded in
     count: mx.array  # (B, n_kv_heads, cap) float32
-    victim: mx.array  # (B, n_kv_heads) int32: slot to overwrite next step
+    victim: mx.array  # (B, n_kv_heads, 1, D) int32: slot to overwrite next step,
+    #                   repeated along D so it indexes the K/V writes as is
     logits: mx.array  # (B, n_heads, 1, N) float32
     lse: mx.array  # (B, n_heads, 1) float32
 
@@ -38,6 +39,15 @@ def _no_slot() -> mx.array:
     return mx.zeros((1, 1), dtype=mx.int32)
 
 
+@lru_cache(maxsize=256)
+def _supported_unmasked(qs, ks, vs, dtypes, ps, sinks_shape) -> bool:
+    # Without a mask array nothing here depends on N beyond N <= cap (checked
+    # by the caller), so the answer is cached per shape signature.
+    q, k, v = (mx.zeros(s, d) for s, d in zip((qs, ks, vs), dtypes))
+    sinks = None if sinks_shape is None else mx.zeros(sinks_shape)
+    return h2o_step_supported(q, k, v, mx.zeros(ps, mx.int32), None, sinks)
+
+
 def h2o_step_supported(q, k, v, positions, mask: Mask = None, sinks=None) -> bool:
     """Whether h2o_decode_step runs on this backend for these inputs."""
     if not supported(q, k, v, mask, sinks) or q.shape[2] != 1:
@@ -48,6 +58,105 @@ def h2o_step_supported(q, k, v, positions, mask: Mask = None, sinks=None) -> boo
         and tuple(positions.shape[:2]) == (B, Hk)
         and positions.shape[2] >= N
     )
+
+
+def fused_step_ok(q, k, v, positions, mask: Mask = None, sinks=None) -> bool:
+    """h2o_step_supported, cached per shape signature when there is no mask."""
+    if gpu_backend() is None or mx.default_device() != mx.gpu:
+        return False
+    if mask is not None or positions.ndim != 3 or k.ndim != 4:
+        return h2o_step_supported(q, k, v, positions, mask, sinks)
+    if k.shape[2] > positions.shape[2]:
+        return False
+    return _supported_unmasked(
+        tuple(q.shape), tuple(k.shape), tuple(v.shape), (q.dtype, k.dtype, v.dtype),
+        (*positions.shape[:2], k.shape[2]), None if sinks is None else tuple(sinks.shape),
+    )
+
+
+class StepPlan:
+    """What a fused step needs that does not change from one decode step to the next.
+
+    Built once per (shapes, dtype, mask kind, config) and reused by every layer,
+    so a decode step only makes the small offset array and launches.
+    """
+
+    def __init__(self, B, Hq, Hk, D, dtype, cap, kind, mh, mode, alpha, scale,
+                 sink_size, recent_budget, pinned, window_size, has_sinks):
+        G = Hq // Hk
+        lay = layout(D, dtype.size, G, 1, decode.KEYS_PER_LANE_GROUP)
+        self.shape = (B, Hq, Hk, D, G)
+        self.lay, self.units, self.kind, self.has_sinks = lay, B * Hk * lay.RT, kind, has_sinks
+        mode_i = SCORE_MODES.index(mode)
+        self.tmpl1 = lay.template(dtype, D, 1, G, Hk) + [("MH", mh), ("MODE", mode_i)]
+        self.tmpl2 = lay.template(dtype, D, 1, G, Hk) + [("MODE", mode_i)]
+        self.prm = params_f(float(scale), float(alpha))
+        self.pins = _pins(tuple(pinned))
+        self.tail = [window_size or 0, sink_size, recent_budget]
+        f32, i32 = mx.float32, mx.int32
+        self.state_shapes = [(B, Hk, cap)] * 3 + [(B, Hk, 1, D)]
+        self.state_dtypes = [i32, f32, f32, i32]
+        self.out_dtype = dtype
+        self.single = _make_pass1_kernel(kind, has_sinks, False, True)
+        self.split = _make_pass1_kernel(kind, has_sinks, True, True)
+        self.merge = _make_pass2_kernel(has_sinks, True)
+        self._splits = {}
+
+    def splits(self, N: int) -> int:
+        S = self._splits.get(N)
+        if S is None:
+            S = choose_splits(N, self.units, self.lay.tile)
+            if self.shape[4] > FUSED_MAX_GROUP:
+                S = max(S, 2)  # the fold then runs in pass 2, which loops over row tiles
+            S = self._splits[N] = max(1, min(S, MAX_SPLITS))
+        return S
+
+    def __call__(self, q, k, v, positions, score, count, slot, append_slot, offset,
+                 mask=None, sinks=None, num_splits=None, poison=None) -> H2OStep:
+        B, Hq, Hk, D, G = self.shape
+        N = k.shape[2]
+        S = min(max(num_splits, 1), MAX_SPLITS) if num_splits else self.splits(N)
+        prm_i = mx.array([offset, -1 if append_slot is None else append_slot, *self.tail], mx.int32)
+        slot = _no_slot() if slot is None else slot
+        head = [q, k, v, self.prm]
+        head += [mask] if self.kind in ("bool", "add") else []
+        f32, lay, NT_ = mx.float32, self.lay, NT
+        if S == 1:
+            res = self.single(
+                inputs=head + ([sinks] if self.has_sinks else [])
+                + [positions, slot, prm_i, score, count, self.pins],
+                template=self.tmpl1, grid=(self.units * NT_, 1, 1), threadgroup=(NT_, 1, 1),
+                output_shapes=[(B, Hq, 1, D), (B, Hq, 1, N), (B, Hq, 1)] + self.state_shapes,
+                output_dtypes=[self.out_dtype, f32, f32] + self.state_dtypes,
+                init_value=poison,
+            )
+            out, logits, lse, pos, sc, cn, victim = res
+            return H2OStep(out, pos, sc, cn, victim, logits, lse)
+        logits, part_o, part_ml = self.split(
+            inputs=head + [positions, slot, prm_i], template=self.tmpl1,
+            grid=(self.units * NT_, S, 1), threadgroup=(NT_, 1, 1),
+            output_shapes=[(B, Hq, 1, N), (self.units, S, lay.R, D), (self.units, S, lay.R, 2)],
+            output_dtypes=[f32, f32, f32], init_value=poison,
+        )
+        res = self.merge(
+            inputs=[part_o, part_ml] + ([sinks] if self.has_sinks else [])
+            + [logits, positions, score, count, slot, prm_i, self.prm, self.pins],
+            template=self.tmpl2, grid=(B * Hk * NT_, 1, 1), threadgroup=(NT_, 1, 1),
+            output_shapes=[(B, Hq, 1, D), (B, Hq, 1)] + self.state_shapes,
+            output_dtypes=[self.out_dtype, f32] + self.state_dtypes, init_value=poison,
+        )
+        out, lse, pos, sc, cn, victim = res
+        return H2OStep(out, pos, sc, cn, victim, logits, lse)
+
+
+@lru_cache(maxsize=64)
+def step_plan(B, Hq, Hk, D, dtype, cap, kind, mh, mode, alpha, scale, sink_size,
+              recent_budget, pinned, window_size, has_sinks) -> StepPlan:
+    """The StepPlan for these static parameters (built once, then shared)."""
+    if mode not in SCORE_MODES:
+        raise ValueError(f"unknown score mode {mode!r}; use one of {SCORE_MODES}")
+    return StepPlan(B, Hq, Hk, D, dtype, cap, kind, mh, mode, alpha, scale, sink_size,
+                    recent_budget, pinned, window_size, has_sinks)
 
 
 def h2o_decode_step(
@@ -81,9 +190,10 @@ def h2o_decode_step(
             new token already written into its slot.
         positions (int32), score, count (float32): (B, n_kv_heads, cap) whole
             buffers, cap >= N, as they were before this token.
-        slot: (B, n_kv_heads) int32, where the new token went (the victim the
-            previous step returned), or None with ``append_slot`` (same slot for
-            every row, e.g. N - 1 while the cache fills).
+        slot: int32 (B, n_kv_heads), (B, n_kv_heads, 1) or (B, n_kv_heads, 1, D)
+            (the previous step's ``victim`` as is): where the new token went;
+            or None with ``append_slot`` (same slot for every row, e.g. N - 1
+            while the cache fills).
         offset: tokens seen including the new one (the new token's position
             is offset - 1).
     The step sets the new token's position/score/count, masks positions a
@@ -91,7 +201,8 @@ def h2o_decode_step(
     (policy.fold_scores) and returns the slot each (sequence, KV head) should
     evict next, ranked as policy.priority / select_victim would at offset + 1.
     ``num_splits`` overrides the split count; ``poison`` (tests) fills the
-    outputs before the kernels run.
+    outputs before the kernels run. The H2O cache calls ``step_plan`` directly
+    to skip these checks on every step.
     """
     if mode not in SCORE_MODES:
         raise ValueError(f"unknown score mode {mode!r}; use one of {SCORE_MODES}")
@@ -99,59 +210,24 @@ def h2o_decode_step(
         raise ValueError("h2o_decode_step: inputs not supported on this backend")
     if (slot is None) == (append_slot is None):
         raise ValueError("pass exactly one of slot and append_slot")
-    B, Hq, L, D = queries.shape
-    Hk, N = keys.shape[1], keys.shape[2]
-    G = Hq // Hk
-    cap = positions.shape[2]
-    lay = layout(D, queries.dtype.size, G, 1, decode.KEYS_PER_LANE_GROUP)
-    kind, mh = mask_mode(mask, B, Hq, Hk, 1, N)
-    units = B * Hk * lay.RT
-    S = num_splits or choose_splits(N, units, lay.tile)
-    if G > FUSED_MAX_GROUP:
-        S = max(S, 2)  # the fold then runs in pass 2, which loops over row tiles
-    S = max(1, min(S, MAX_SPLITS))
-    prm_i = mx.array(
-        [offset, -1 if append_slot is None else append_slot, window_size or 0,
-         sink_size, recent_budget],
-        dtype=mx.int32,
-    )
-    slot = _no_slot() if slot is None else slot
-    prm = params_f(float(scale), float(alpha))
-    head = [queries, keys, values, prm]
-    head += [mask] if kind in ("bool", "add") else []
-    head += [sinks] if (sinks is not None and S == 1) else []
-    tmpl = lay.template(queries.dtype, D, 1, G, Hk) + [
-        ("MH", mh), ("MODE", SCORE_MODES.index(mode))
-    ]
-    f32, i32 = mx.float32, mx.int32
-    state_shapes = [(B, Hk, cap)] * 3 + [(B, Hk)]
-    state_dtypes = [i32, f32, f32, i32]
-    has_sinks = sinks is not None
-    if S == 1:
-        k1 = _make_pass1_kernel(kind, has_sinks, False, True)
-        res = k1(
-            inputs=head + [positions, slot, prm_i, score, count, _pins(tuple(pinned))],
-            template=tmpl, grid=(units * NT, 1, 1), threadgroup=(NT, 1, 1),
-            output_shapes=[(B, Hq, 1, D), (B, Hq, 1, N), (B, Hq, 1)] + state_shapes,
-            output_dtypes=[queries.dtype, f32, f32] + state_dtypes, init_value=poison,
+    if slot is not None and (slot.dtype != mx.int32 or slot.size != keys.shape[0] * keys.shape[1]
+                             * (keys.shape[3] if slot.ndim == 4 else 1)):
+        raise ValueError(
+            f"slot must be int32 of shape (B, n_kv_heads[, 1[, D]]), got {slot.dtype} {slot.shape}"
         )
-        out, logits, lse, pos, sc, cn, victim = res
-        return H2OStep(out, pos, sc, cn, victim, logits, lse)
-    k1 = _make_pass1_kernel(kind, has_sinks, True, True)
-    logits, part_o, part_ml = k1(
-        inputs=head + [positions, slot, prm_i], template=tmpl,
-        grid=(units * NT, S, 1), threadgroup=(NT, 1, 1),
-        output_shapes=[(B, Hq, 1, N), (units, S, lay.R, D), (units, S, lay.R, 2)],
-        output_dtypes=[f32, f32, f32], init_value=poison,
-    )
-    k2 = _make_pass2_kernel(has_sinks, True)
-    res = k2(
-        inputs=[part_o, part_ml] + ([sinks] if has_sinks else [])
-        + [logits, positions, score, count, slot, prm_i, prm, _pins(tuple(pinned))],
-        template=lay.template(queries.dtype, D, 1, G, Hk) + [("MODE", SCORE_MODES.index(mode))],
-        grid=(B * Hk * NT, 1, 1), threadgroup=(NT, 1, 1),
-        output_shapes=[(B, Hq, 1, D), (B, Hq, 1)] + state_shapes,
-        output_dtypes=[queries.dtype, f32] + state_dtypes, init_value=poison,
-    )
-    out, lse, pos, sc, cn, victim = res
-    return H2OStep(out, pos, sc, cn, victim, logits, lse)
+    plan = make_plan(queries, keys, positions, mask, sinks, mode=mode, alpha=alpha,
+                     scale=scale, sink_size=sink_size, recent_budget=recent_budget,
+                     pinned=pinned, window_size=window_size)
+    return plan(queries, keys, values, positions, score, count, slot, append_slot, offset,
+                mask, sinks, num_splits, poison)
+
+
+def make_plan(queries, keys, positions, mask, sinks, *, mode, alpha, scale, sink_size,
+              recent_budget, pinned, window_size) -> StepPlan:
+    """step_plan for these inputs (shapes, dtype, mask kind) and H2O settings."""
+    B, Hq, _, D = queries.shape
+    Hk, N = keys.shape[1], keys.shape[2]
+    kind, mh = mask_mode(mask, B, Hq, Hk, 1, N)
+    return step_plan(B, Hq, Hk, D, queries.dtype, positions.shape[2], kind, mh, mode,
+                     float(alpha), float(scale), sink_size, recent_budget,
+                     tuple(tuple(p) for p in pinned), window_size, sinks is not None)

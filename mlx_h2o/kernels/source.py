@@ -506,6 +506,7 @@ FOLD = r"""
   H2O_SHARED int bo_s[NT / 32];
   H2O_SHARED int bp_s[NT / 32];
   H2O_SHARED int bs_s[NT / 32];
+  H2O_SHARED int victim_s;
   H2O_BARRIER_DEVICE();
   {
     const int cap = pos_in_shape[2];
@@ -595,8 +596,11 @@ FOLD = r"""
           best_s = bs_s[i];
         }
       }
-      victim[b * HK + hk] = best_s;
+      victim_s = best_s;
     }
+    // Repeated along D: the victim indexes the next step's K/V writes as is.
+    H2O_BARRIER();
+    for (int i = tid; i < D; i += NT) victim[(i64)(b * HK + hk) * D + i] = victim_s;
   }
 """
 

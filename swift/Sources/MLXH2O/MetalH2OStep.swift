@@ -14,7 +14,8 @@ public struct H2OStep {
     /// (B, n_kv_heads, cap) float32, this step folded in.
     public let score: MLXArray
     public let count: MLXArray
-    /// (B, n_kv_heads) int32: the slot to overwrite next step (priorities at offset + 1).
+    /// (B, n_kv_heads, 1, D) int32: the slot to overwrite next step (priorities at
+    /// offset + 1), repeated along D so it indexes the K/V writes as is.
     public let victim: MLXArray
     public let logits: MLXArray
     public let lse: MLXArray
@@ -37,7 +38,7 @@ public func metalH2OStepSupported(
 /// Shapes: queries (B, n_heads, 1, D); keys, values (B, n_kv_heads, N, D), the
 /// first N slots of the cache buffers with the new token already written;
 /// positions (int32), score, count (float32) (B, n_kv_heads, cap) whole buffers
-/// as they were before this token. `slot` (B, n_kv_heads) int32 is where the new
+/// as they were before this token. `slot` (B, n_kv_heads[, 1, D]) int32 is where the new
 /// token went (the previous step's victim), or nil with `appendSlot` (the same
 /// slot for every row while the cache fills). `offset` counts the new token.
 public func metalH2ODecodeStep(
@@ -73,7 +74,7 @@ public func metalH2ODecodeStep(
     var template: [(String, KernelTemplateArg)] = [("T", q.dtype)]
     template += lay.template(D: D, L: 1, G: G, kvHeads: Hk).map { ($0.0, $0.1 as KernelTemplateArg) }
     let NT = KernelConstants.threadsPerBlock
-    let stateShapes = [[B, Hk, cap], [B, Hk, cap], [B, Hk, cap], [B, Hk]]
+    let stateShapes = [[B, Hk, cap], [B, Hk, cap], [B, Hk, cap], [B, Hk, 1, D]]  // victim repeated along D
     let stateDTypes: [DType] = [.int32, .float32, .float32, .int32]
     if S == 1 {
         let pass1 = MetalKernelCache.shared(

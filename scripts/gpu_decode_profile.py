@@ -1,0 +1,190 @@
+"""Where does decode time go on the GPU? Host build vs dispatch vs GPU, per strategy.
+
+    python scripts/gpu_decode_profile.py [--context 4096] [--budget 256] [--steps 32]
+
+Part 1 times building one call (host only) and chains of calls for: a JIT
+`mx.fast.cuda_kernel`, the same kernel through `mx.fast.precompiled_cuda_kernel`
+(binary taken from MLX's PTX cache, scalars by value), that JIT call wrapped in
+`mx.compile`, and MLX built-ins (SDPA, slice update, put_along_axis).
+Part 2 decodes a Qwen3-8B-shaped 4-bit model and splits each step into graph
+building (the forward call), dispatch (`mx.async_eval`) and the rest, with a
+cProfile of the H2O forward. Diagnostic, not a benchmark of record.
+"""
+
+import argparse
+import cProfile
+import glob
+import io
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+
+import mlx.core as mx
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+TINY = r"""
+extern "C" __global__ void h2o_probe_add(const float* x, const float* y,
+                                         float* out, int n, float scale) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = (x[i] + y[i]) * scale;
+}
+"""
+
+
+def per_call(fn, n=2000):
+    fn()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def chain(step, x0, n=500):
+    """us per call of a dependent chain, built and evaluated (host + device)."""
+    mx.eval(step(x0))
+    mx.synchronize()
+    t = time.perf_counter()
+    x = x0
+    for _ in range(n):
+        x = step(x)
+    mx.eval(x)
+    mx.synchronize()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def find_binary(kernel_name):
+    roots = [os.environ.get("MLX_PTX_CACHE_DIR", ""), os.path.join(tempfile.gettempdir(), "mlx")]
+    for root in roots:
+        hits = glob.glob(os.path.join(root, "**", kernel_name + ".ptx"), recursive=True) if root else []
+        if hits:
+            return open(hits[0], "rb").read()
+    return None
+
+
+def call_costs():
+    n = 4096
+    x = mx.random.normal((n,))
+    y = mx.random.normal((n,))
+    mx.eval(x, y)
+    jit = mx.fast.cuda_kernel(
+        name="h2o_probe", input_names=["x", "y"], output_names=["out"],
+        source="int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < S) out[i] = (x[i] + y[i]) * 0.5f;",
+        header=TINY,
+    )
+
+    def j(a):
+        return jit(inputs=[a, y], template=[("S", n)], grid=(n, 1, 1), threadgroup=(256, 1, 1),
+                   output_shapes=[a.shape], output_dtypes=[a.dtype])[0]
+
+    ref = j(x)
+    mx.eval(ref)
+    rows = {"jit cuda_kernel": (lambda: j(x), j)}
+    blob = find_binary(f"custom_kernel_h2o_probe_{n}")
+    print(f"precompiled binary from MLX's cache: {None if blob is None else len(blob)} bytes")
+    if blob is not None:
+        def p(a):
+            return mx.fast.precompiled_cuda_kernel(
+                name="h2o_probe_add", compiled_source=blob, inputs=[a, y],
+                output_shapes=[a.shape], output_dtypes=[a.dtype], scalars=[n, 0.5],
+                grid=(n, 1, 1), threadgroup=(256, 1, 1))[0]
+        got = p(x)
+        err = mx.abs(got - (x + y) * 0.5).max().item()
+        print(f"precompiled output max err {err:.3g}")
+        rows["precompiled"] = (lambda: p(x), p)
+    cj = mx.compile(j)
+    rows["mx.compile(jit)"] = (lambda: cj(x), cj)
+    k = mx.random.normal((1, 8, 256, 128)).astype(mx.float16)
+    q = mx.random.normal((1, 32, 1, 128)).astype(mx.float16)
+    idx = mx.zeros((1, 8, 1, 1), mx.int32)
+    mx.eval(k, q, idx)
+    sd = lambda a: mx.fast.scaled_dot_product_attention(a, k, k, scale=0.1)  # noqa: E731
+    rows["mx.fast sdpa N=256"] = (lambda: sd(q), sd)
+    pa = lambda a: mx.put_along_axis(k, idx, a[:, :8], axis=2)[:, :, :1].reshape(1, 32, 1, 32).repeat(4, -1)  # noqa: E501,E731
+    rows["put_along_axis (+reshape chain)"] = (lambda: mx.put_along_axis(k, idx, q[:, :8], axis=2), None)
+    rows["mx.array 5 ints"] = (lambda: mx.array([1, 2, 3, 4, 5], dtype=mx.int32), None)
+    del pa
+    for name, (build, step) in rows.items():
+        b = per_call(build)
+        c = chain(step, q if "sdpa" in name else x) if step is not None else float("nan")
+        print(f"{name:>34}: build {b:6.2f} us/call   chain {c:6.2f} us/call")
+
+
+def strategies(model, context, budget):
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+    from mlx_h2o import H2OConfig, make_h2o_cache
+    n = len(model.layers)
+    return {
+        "kvcache": lambda: [KVCache() for _ in range(n)],
+        "rotating": lambda: [RotatingKVCache(max_size=budget, keep=4) for _ in range(n)],
+        "h2o_no_evict": lambda: make_h2o_cache(model, H2OConfig(max_size=context + 512)),
+        "h2o_evict": lambda: make_h2o_cache(model, H2OConfig(max_size=budget, heavy_budget=budget // 2)),
+    }
+
+
+def decode_split(model, cache, context, steps, profile=False):
+    import mlx_h2o
+    with mlx_h2o.patch():
+        for s in range(0, context, 1024):
+            mx.eval(model(mx.random.randint(0, 1000, (1, min(1024, context - s))), cache=cache))
+        y = mx.array([[1]])
+        for _ in range(4):
+            y = model(y, cache=cache)[:, -1:].argmax(-1)
+            mx.eval(y)
+        build, disp = [], []
+        prof = cProfile.Profile() if profile else None
+        mx.synchronize()
+        tic = time.perf_counter()
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            if prof:
+                prof.enable()
+            y = model(y, cache=cache)[:, -1:].argmax(-1)
+            if prof:
+                prof.disable()
+            t1 = time.perf_counter()
+            mx.async_eval(y)
+            t2 = time.perf_counter()
+            build.append(t1 - t0)
+            disp.append(t2 - t1)
+        mx.eval(y)
+        total = (time.perf_counter() - tic) / steps
+        sync = []
+        for _ in range(8):
+            t0 = time.perf_counter()
+            y = model(y, cache=cache)[:, -1:].argmax(-1)
+            mx.eval(y)
+            sync.append(time.perf_counter() - t0)
+    ms = lambda v: statistics.median(v) * 1e3  # noqa: E731
+    if prof:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(14)
+        print(s.getvalue())
+    return ms(build), ms(disp), total * 1e3, ms(sync)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--budget", type=int, default=256)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--skip-calls", action="store_true")
+    args = p.parse_args()
+    print(f"mlx {mx.__version__}, device {mx.default_device()}")
+    if not args.skip_calls:
+        call_costs()
+    from mlx_h2o.eval.bench import random_model
+    model = random_model("qwen3-8b", bits=4, dtype=mx.bfloat16)
+    for rep in range(2):
+        for name, make in strategies(model, args.context, args.budget).items():
+            b, d, t, s = decode_split(model, make(), args.context, args.steps,
+                                      profile=(rep == 1 and name == "h2o_evict"))
+            print(f"rep={rep} {name:>13}: build {b:6.2f} ms  dispatch {d:6.2f} ms  "
+                  f"pipelined {t:6.2f} ms/step ({1e3 / t:6.1f} tok/s)  synced {s:6.2f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
