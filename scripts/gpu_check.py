@@ -101,7 +101,7 @@ class FusedDriver:
         self.positions, self.score, self.count = (
             pad(ref.positions), pad(ref.score), pad(ref.count))
         self.n, self.offset, self.cfg, self.window = n, ref.offset, ref.config, ref.window_size
-        self.victim, self.splits = None, splits
+        self.victim, self.splits, self.steps = None, splits, 0
 
     def policy_victim(self):
         cfg, n = self.cfg, self.n
@@ -132,7 +132,9 @@ class FusedDriver:
             self.score, self.count, slot=slot, append_slot=app, offset=self.offset,
             scale=scale, mode=cfg.score, alpha=cfg.ema_alpha, sink_size=cfg.sink_size,
             recent_budget=cfg.recent_budget, pinned=cfg.pinned, window_size=self.window,
-            num_splits=self.splits, poison=NAN)
+            # Every other step unpoisoned, so a full cache takes the compiled launch.
+            num_splits=self.splits, poison=NAN if self.steps % 2 == 0 else None)
+        self.steps += 1
         self.positions, self.score, self.count, self.victim = res[1:5]
         return res.out, slot
 

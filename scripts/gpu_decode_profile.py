@@ -95,6 +95,31 @@ def call_costs():
         err = mx.abs(got - (x + y) * 0.5).max().item()
         print(f"precompiled output max err {err:.3g}")
         rows["precompiled"] = (lambda: p(x), p)
+    # What makes a call expensive: source length (header or body), arity, templates.
+    pad = "// " + "x" * 76 + "\n"
+    body = "int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < S) out[i] = x[i] * 0.5f;"
+    variants = {
+        "14 KB header": dict(header=pad * 180, source=body),
+        "14 KB body": dict(header="", source=body + "\n" + pad * 180),
+    }
+    for label, kw in variants.items():
+        kv = mx.fast.cuda_kernel(name=f"h2o_probe_{label[:5].strip()}", input_names=["x"],
+                                 output_names=["out"], **kw)
+        call = lambda kv=kv: kv(inputs=[x], template=[("S", n)], grid=(n, 1, 1),  # noqa: E731
+                                threadgroup=(256, 1, 1), output_shapes=[x.shape],
+                                output_dtypes=[x.dtype])[0]
+        mx.eval(call())
+        rows[f"jit, {label}"] = (call, None)
+    names_in = [f"i{t}" for t in range(10)]
+    names_out = [f"o{t}" for t in range(7)]
+    wide = mx.fast.cuda_kernel(name="h2o_probe_wide", input_names=names_in, output_names=names_out,
+                               source="int i = threadIdx.x; if (i < S) { o0[i] = i0[i]; }")
+    tmpl = [("S", n)] + [(f"C{t}", t) for t in range(10)]
+    wcall = lambda: wide(inputs=[x] * 10, template=tmpl, grid=(256, 1, 1),  # noqa: E731
+                         threadgroup=(256, 1, 1), output_shapes=[x.shape] * 7,
+                         output_dtypes=[x.dtype] * 7)[0]
+    mx.eval(wcall())
+    rows["jit, 10 in / 7 out / 11 templates"] = (wcall, None)
     cj = mx.compile(j)
     rows["mx.compile(jit)"] = (lambda: cj(x), cj)
     k = mx.random.normal((1, 8, 256, 128)).astype(mx.float16)
@@ -110,6 +135,8 @@ def call_costs():
     for name, (build, step) in rows.items():
         b = per_call(build)
         c = chain(step, q if "sdpa" in name else x) if step is not None else float("nan")
+        if name.startswith("jit,"):
+            c = float("nan")
         print(f"{name:>34}: build {b:6.2f} us/call   chain {c:6.2f} us/call")
 
 

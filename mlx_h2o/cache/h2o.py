@@ -52,6 +52,7 @@ class H2OKVCache:
         self._victim = None  # (B, Hk, 1, D) next victim, from the fused step
         self._slot = None  # (B, Hk, 1[, D]) slot this step's token overwrote
         self._plan = self._plan_key = None  # the fused step's StepPlan
+        self._fuse_key, self._fuse_ok = None, False  # shapes the fused step was checked for
         self._meta_pending = False  # its position/scores are not written yet
         self.model_name = ""
 
@@ -266,12 +267,17 @@ class H2OKVCache:
         return self.use_fused_step and type(self.kv) is DenseKV and gpu_backend() is not None
 
     def _fused(self, queries, keys, values, mask, sinks) -> bool:
-        return (
-            queries.shape[2] == 1
-            and self._may_fuse()
-            and not isinstance(mask, str)
-            and fused_step_ok(queries, keys, values, self.positions, mask, sinks)
-        )
+        if queries.shape[2] != 1 or not self._may_fuse() or isinstance(mask, str):
+            return False
+        if mask is not None:
+            return fused_step_ok(queries, keys, values, self.positions, mask, sinks)
+        # Unmasked support depends on shapes only (N <= cap holds here): check once.
+        key = (queries.shape, queries.dtype, keys.shape[:2], values.shape[3],
+               keys.dtype, values.dtype, None if sinks is None else sinks.shape)
+        if key != self._fuse_key:
+            self._fuse_ok = fused_step_ok(queries, keys, values, self.positions, None, sinks)
+            self._fuse_key = key
+        return self._fuse_ok
 
     def _fused_step(self, queries, keys, values, scale, mask, sinks):
         slot = self._slot

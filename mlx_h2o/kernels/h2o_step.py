@@ -100,7 +100,12 @@ class StepPlan:
         self.single = _make_pass1_kernel(kind, has_sinks, False, True)
         self.split = _make_pass1_kernel(kind, has_sinks, True, True)
         self.merge = _make_pass2_kernel(has_sinks, True)
+        self.cap = cap
         self._splits = {}
+        # A full cache (N == cap) calls with the same shapes every step: a
+        # compiled launch replays its graph instead of rebuilding the kernel
+        # call (~35 us of host time per call on the H100, docs/GPU.md).
+        self._steady = mx.compile(self._launch)
 
     def splits(self, N: int) -> int:
         S = self._splits.get(N)
@@ -113,11 +118,20 @@ class StepPlan:
 
     def __call__(self, q, k, v, positions, score, count, slot, append_slot, offset,
                  mask=None, sinks=None, num_splits=None, poison=None) -> H2OStep:
+        prm_i = mx.array([offset, -1 if append_slot is None else append_slot, *self.tail], mx.int32)
+        slot = _no_slot() if slot is None else slot
+        arrays = (q, k, v, positions, score, count, slot, prm_i)
+        arrays += () if sinks is None else (sinks,)
+        if mask is None and poison is None and not num_splits and k.shape[2] == self.cap:
+            return H2OStep(*self._steady(*arrays))
+        return H2OStep(*self._launch(*arrays, mask=mask, num_splits=num_splits, poison=poison))
+
+    def _launch(self, q, k, v, positions, score, count, slot, prm_i, sinks=None, *,
+                mask=None, num_splits=None, poison=None):
+        """The kernel launches: (out, positions, score, count, victim, logits, lse)."""
         B, Hq, Hk, D, G = self.shape
         N = k.shape[2]
         S = min(max(num_splits, 1), MAX_SPLITS) if num_splits else self.splits(N)
-        prm_i = mx.array([offset, -1 if append_slot is None else append_slot, *self.tail], mx.int32)
-        slot = _no_slot() if slot is None else slot
         head = [q, k, v, self.prm]
         head += [mask] if self.kind in ("bool", "add") else []
         f32, lay, NT_ = mx.float32, self.lay, NT
@@ -131,7 +145,7 @@ class StepPlan:
                 init_value=poison,
             )
             out, logits, lse, pos, sc, cn, victim = res
-            return H2OStep(out, pos, sc, cn, victim, logits, lse)
+            return out, pos, sc, cn, victim, logits, lse
         logits, part_o, part_ml = self.split(
             inputs=head + [positions, slot, prm_i], template=self.tmpl1,
             grid=(self.units * NT_, S, 1), threadgroup=(NT_, 1, 1),
@@ -146,7 +160,7 @@ class StepPlan:
             output_dtypes=[self.out_dtype, f32] + self.state_dtypes, init_value=poison,
         )
         out, lse, pos, sc, cn, victim = res
-        return H2OStep(out, pos, sc, cn, victim, logits, lse)
+        return out, pos, sc, cn, victim, logits, lse
 
 
 @lru_cache(maxsize=64)
