@@ -34,7 +34,7 @@ def teacher_forced(model, cache, tokens, prefill):
     return mx.concatenate(outs, axis=1).astype(mx.float32)
 
 
-def check_correctness(dtype, steps=150):
+def check_correctness(dtype, max_size=64, steps=150):
     args = dict(model_type="llama", hidden_size=512, num_hidden_layers=4,
                 intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
                 rms_norm_eps=1e-5, vocab_size=1000, head_dim=64, tie_word_embeddings=True)
@@ -42,7 +42,8 @@ def check_correctness(dtype, steps=150):
     model.set_dtype(dtype)
     mx.eval(model.parameters())
     tokens = mx.random.randint(0, 1000, (2, 100 + steps))
-    cfg = H2OConfig(max_size=64, sink_size=4, heavy_budget=30)
+    # max 64: full from the prompt on; max 160: fills (valid < capacity) first.
+    cfg = H2OConfig(max_size=max_size, sink_size=4, heavy_budget=max_size // 2 - 2)
     runs = {}
     for fused in (True, False):
         cache = make_h2o_cache(model, cfg)
@@ -56,9 +57,10 @@ def check_correctness(dtype, steps=150):
     err = mx.abs(a - b).max().item()
     agree = (a.argmax(-1) == b.argmax(-1)).astype(mx.float32).mean().item()
     took_fused = all(c._plan is not None for c in ca) and all(c._plan is None for c in cb)
-    ok = (same_kept and ca[0].evicted == cb[0].evicted == 100 + steps - 64 and agree == 1.0
-          and took_fused)
-    print(f"correctness dtype={dtype} fused_path_taken={took_fused} same_kept={same_kept} "
+    ok = (same_kept and ca[0].evicted == cb[0].evicted == 100 + steps - max_size
+          and agree == 1.0 and took_fused)
+    print(f"correctness dtype={dtype} max_size={max_size} fused_path_taken={took_fused} "
+          f"same_kept={same_kept} "
           f"evicted={ca[0].evicted} "
           f"max_logit_err={err:.3g} greedy_agree={agree:.3f} -> {'ok' if ok else 'MISMATCH'}")
     return ok
@@ -127,7 +129,8 @@ def main():
     p.add_argument("--no-bench", action="store_true")
     p.add_argument("--no-check", action="store_true")
     args = p.parse_args()
-    ok = args.no_check or all([check_correctness(d) for d in (mx.float32, mx.float16)])
+    ok = args.no_check or all([check_correctness(d, m) for d in (mx.float32, mx.float16)
+                               for m in (64, 160)])
     if not args.no_bench:
         model = random_model("qwen3-8b", bits=4, dtype=mx.bfloat16)
         for context in args.contexts:

@@ -103,7 +103,7 @@ def call_costs():
         "14 KB body": dict(header="", source=body + "\n" + pad * 180),
     }
     for label, kw in variants.items():
-        kv = mx.fast.cuda_kernel(name=f"h2o_probe_{label[:5].strip()}", input_names=["x"],
+        kv = mx.fast.cuda_kernel(name="h2o_probe_" + label.split()[-1], input_names=["x"],
                                  output_names=["out"], **kw)
         call = lambda kv=kv: kv(inputs=[x], template=[("S", n)], grid=(n, 1, 1),  # noqa: E731
                                 threadgroup=(256, 1, 1), output_shapes=[x.shape],

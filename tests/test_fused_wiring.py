@@ -51,8 +51,11 @@ CALLS = []
 def emulated_plan(queries, keys, positions, mask, sinks, *, mode, alpha, scale, sink_size,
                   recent_budget, pinned, window_size):
     """kernels.make_plan's contract: a StepPlan-like callable."""
-    def step(q, k, v, positions, score, count, slot, append_slot, offset, mask=None, sinks=None):
+    def step(q, k, v, positions, score, count, slot, append_slot, offset, mask=None, sinks=None,
+             valid=None):
         CALLS.append(1)
+        n = k.shape[2] if valid is None else valid
+        k, v = k[..., :n, :], v[..., :n, :]  # the kernel attends the first `valid` slots
         return emulated_step(q, k, v, positions, score, count, slot=slot,
                              append_slot=append_slot, offset=offset, scale=scale, mode=mode,
                              alpha=alpha, sink_size=sink_size, recent_budget=recent_budget,

@@ -280,11 +280,15 @@ class H2OKVCache:
         return self._fuse_ok
 
     def _fused_step(self, queries, keys, values, scale, mask, sinks):
-        slot = self._slot
+        slot, n = self._slot, self._n
+        if mask is None:
+            # Whole buffers + a valid count: shapes only change when the buffers
+            # grow, so the plan's compiled launch replays on every other step.
+            keys, values = self.kv.keys, self.kv.values
         plan = self._step_plan(queries, keys, scale, mask, sinks)
         res = plan(
             queries, keys, values, self.positions, self.score, self.count,
-            slot, self._n - 1 if slot is None else None, self.offset, mask, sinks,
+            slot, n - 1 if slot is None else None, self.offset, mask, sinks, valid=n,
         )
         self.positions, self.score, self.count = res.positions, res.score, res.count
         self._victim = res.victim if self._n >= self.max_size else None

@@ -68,7 +68,7 @@ def pass1_source(backend: str, mask: str, sinks: bool, split: bool, fused: bool)
     header, ids = _prelude(backend)
     tail = ""
     if fused and not split:
-        tail = src.FOLD_PASS1_LSE + Template(src.FOLD).substitute(NV="N")
+        tail = src.FOLD_PASS1_LSE + Template(src.FOLD).substitute(NV="N", NS="NS")
     body = Template(src.PASS1).substitute(
         IDS=ids,
         MASK_SETUP=src.MASK_SETUP if mask in ("bool", "add") else "",
@@ -77,6 +77,7 @@ def pass1_source(backend: str, mask: str, sinks: bool, split: bool, fused: bool)
         MASK_APPLY=_mask_apply(mask, fused),
         SINK_INIT=src.SINK_INIT_PASS1 if (sinks and not split) else "",
         WRITE_ROW=src.WRITE_PARTIAL if split else src.WRITE_FINAL,
+        NVALID="prm_i[5]" if fused else "NS",
         TAIL=tail,
     )
     return header, body
@@ -99,7 +100,7 @@ def pass2_source(backend: str, sinks: bool, fused: bool):
         FUSED_ROWS=f"  constexpr bool FUSED_ROWS = {'true' if fused else 'false'};",
         SINK_MAX=src.SINK_MAX_PASS2 if sinks else "",
         SINK_SUM=src.SINK_SUM_PASS2 if sinks else "",
-        TAIL=Template(src.FOLD).substitute(NV="logits_shape[3]") if fused else "",
+        TAIL=Template(src.FOLD).substitute(NV="prm_i[5]", NS="logits_shape[3]") if fused else "",
     )
     return header, body
 

@@ -117,8 +117,14 @@ class StepPlan:
         return S
 
     def __call__(self, q, k, v, positions, score, count, slot, append_slot, offset,
-                 mask=None, sinks=None, num_splits=None, poison=None) -> H2OStep:
-        prm_i = mx.array([offset, -1 if append_slot is None else append_slot, *self.tail], mx.int32)
+                 mask=None, sinks=None, num_splits=None, poison=None, valid=None) -> H2OStep:
+        """``valid``: attend the first ``valid`` slots of k / v (default all): the
+        cache passes its whole buffers, so shapes stay fixed and the compiled
+        launch replays while the cache fills too."""
+        valid = k.shape[2] if valid is None else valid
+        prm_i = mx.array(
+            [offset, -1 if append_slot is None else append_slot, *self.tail, valid], mx.int32
+        )
         slot = _no_slot() if slot is None else slot
         arrays = (q, k, v, positions, score, count, slot, prm_i)
         arrays += () if sinks is None else (sinks,)

@@ -249,7 +249,8 @@ $IDS
   const int rt = unit % RT;
   const int b = unit / (RT * HK);
   const int hk = (unit / RT) % HK;
-  const int N = k_shape[2];
+  const int NS = k_shape[2];  // slots in the K/V buffer: the logits row stride
+  const int N = $NVALID;  // keys attended (the fused step may pass a longer buffer)
   const int S = n_blk_y;
   const int split = blk_y;
   int chunk = (N + S - 1) / S;
@@ -345,7 +346,7 @@ $FUSED_KPOS
       x_ = x[0] * scale;
 $MASK_APPLY
       if (owner) {
-        logits[((i64)(b * HK * G + H2O_ROW_HQ(r)) * L + H2O_ROW_L(r)) * N + key] = x_;
+        logits[((i64)(b * HK * G + H2O_ROW_HQ(r)) * L + H2O_ROW_L(r)) * NS + key] = x_;
       }
     }
     // Online softmax of the row over its U keys (lanes that differ in the key bits).
@@ -528,7 +529,8 @@ FOLD = r"""
     const i64 sb = b * score_in_strides[0] + hk * score_in_strides[1];
     const i64 cb = b * count_in_strides[0] + hk * count_in_strides[1];
     const i64 ob = (i64)(b * HK + hk) * cap;
-    const i64 lb = (i64)(b * HK * G + hk * G) * Nv;
+    const int Ns = $NS;  // logits row stride
+    const i64 lb = (i64)(b * HK * G + hk * G) * Ns;
     int best_o = 0, best_p = 0, best_s = -1;
     for (int s = tid; s < cap; s += NT) {
       int p = s == w ? Q : pos_in[pb + s * pos_in_strides[2]];
@@ -540,7 +542,7 @@ FOLD = r"""
         if (MODE == 0 || MODE == 3) {  // EMA of |logit| or of attention
           float mag = 0.0f;
           for (int g = 0; g < G; ++g) {
-            const float x = logits[lb + g * Nv + s];
+            const float x = logits[lb + g * Ns + s];
             mag += MODE == 0 ? (vis ? H2O_FABS(x) : 0.0f) : H2O_EXP(x - lse_sh[g]);
           }
           const float step = (mag * (1.0f / G)) / H2O_FMAX(seen, 1.0f);
@@ -548,7 +550,7 @@ FOLD = r"""
           sc = seen > 0.0f ? ema : sc;
         } else {
           float pr = 0.0f;
-          for (int g = 0; g < G; ++g) pr += H2O_EXP(logits[lb + g * Nv + s] - lse_sh[g]);
+          for (int g = 0; g < G; ++g) pr += H2O_EXP(logits[lb + g * Ns + s] - lse_sh[g]);
           sc = sc + pr * (1.0f / G);
         }
         cn = cn + seen;

@@ -61,7 +61,8 @@ public func metalH2ODecodeStep(
     if G > KernelConstants.fusedMaxGroup { S = max(S, 2) }  // the fold then runs in pass 2
     S = max(1, min(S, KernelConstants.maxSplits))
     let prmI = MLXArray(
-        [offset, appendSlot ?? -1, windowSize ?? 0, config.sinkSize, config.recentBudget].map(Int32.init))
+        [offset, appendSlot ?? -1, windowSize ?? 0, config.sinkSize, config.recentBudget, N]
+            .map(Int32.init))  // N: keys attended (the kernels' valid count)
     let slotArray = slot ?? MLXArray.zeros([1, 1], dtype: .int32)
     let prm = MLXArray([scale, Float(config.emaAlpha), Float(1.0 - config.emaAlpha)])
     // An empty range stands in for "no pins": the kernel reads at least one row.
