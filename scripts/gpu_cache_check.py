@@ -66,21 +66,27 @@ def check_correctness(dtype, max_size=64, steps=150):
     return ok
 
 
-def decode_tps(model, make_cache, context, steps):
-    cache = make_cache()
+def prefill(model, cache, context):
     with mlx_h2o.patch():
         for s in range(0, context, 512):
             mx.eval(model(mx.random.randint(0, 1000, (1, min(512, context - s))), cache=cache))
         y = mx.array([[1]])
-        for _ in range(3):  # warm-up (kernel builds)
+        for _ in range(3):  # warm-up (kernel builds, compiled traces)
             y = model(y, cache=cache)[:, -1:].argmax(-1)
             mx.eval(y)
+    return y
+
+
+def decode_tps(model, cache, y, steps):
+    """tok/s of `steps` pipelined decode steps (as mlx-lm's generate_step)."""
+    with mlx_h2o.patch():
+        mx.synchronize()
         tic = time.perf_counter()
         for _ in range(steps):
             y = model(y, cache=cache)[:, -1:].argmax(-1)
             mx.async_eval(y)
         mx.eval(y)
-        return steps / (time.perf_counter() - tic)
+        return steps / (time.perf_counter() - tic), y
 
 
 def unfused(cfg, model):
@@ -90,32 +96,50 @@ def unfused(cfg, model):
     return cache
 
 
-def bench(model, context, budgets, steps, repeats, unfused_too):
+def views(cfg, model):
+    cache = make_h2o_cache(model, cfg)
+    for c in cache:
+        c.fused_whole_buffers = False
+    return cache
+
+
+def bench(model, context, budgets, steps, rounds, variants):
+    """Every strategy prefilled once, then decoded in rounds of `steps` steps,
+    round-robin, so drifts of the machine hit all strategies alike."""
     n = len(model.layers)
     strategies = {
         "kvcache": lambda: [KVCache() for _ in range(n)],
-        "h2o_no_evict": lambda: make_h2o_cache(model, H2OConfig(max_size=context + 512)),
+        "h2o_no_evict": lambda: make_h2o_cache(model, H2OConfig(max_size=context + 4096)),
     }
     for b in budgets:
         evict = H2OConfig(max_size=b, heavy_budget=b // 2)
         strategies[f"rotating_{b}"] = lambda b=b: [RotatingKVCache(max_size=b, keep=4)
                                                    for _ in range(n)]
         strategies[f"h2o_evict_{b}"] = lambda e=evict: make_h2o_cache(model, e)
-        if unfused_too:
+        if "unfused" in variants:
             strategies[f"h2o_evict_{b}_unfused"] = lambda e=evict: unfused(e, model)
+        if "views" in variants:
+            strategies[f"h2o_evict_{b}_views"] = lambda e=evict: views(e, model)
     print(f"bench: qwen3-8b shapes 4-bit bf16 context={context} budgets={budgets} "
-          f"steps={steps} repeats={repeats} mlx={mx.__version__}")
+          f"steps/round={steps} rounds={rounds} mlx={mx.__version__}")
+    state = {}
+    for name, make in strategies.items():
+        cache = make()
+        state[name] = [cache, prefill(model, cache, context)]
     runs = {k: [] for k in strategies}
-    for r in range(repeats):
-        for name, make in strategies.items():
-            runs[name].append(decode_tps(model, make, context, steps))
-            print(f"trial={r} strategy={name} decode_tok_s={runs[name][-1]:.2f}", flush=True)
+    for r in range(rounds):
+        for name in strategies:
+            tps, state[name][1] = decode_tps(model, state[name][0], state[name][1], steps)
+            runs[name].append(tps)
+        print(f"round={r} " + " ".join(f"{k}={v[-1]:.1f}" for k, v in runs.items()), flush=True)
     med = {k: statistics.median(v) for k, v in runs.items()}
     for k, v in med.items():
         rot = [r for r in med if r.startswith("rotating_") and k.startswith("h2o_evict_")
                and r.split("_")[1] == k.split("_")[2]]
         vs_rot = f"  vs {rot[0]} {v / med[rot[0]]:.3f}" if rot else ""
-        print(f"{k:>24}: {v:7.2f} tok/s  vs kvcache {v / med['kvcache']:.3f}{vs_rot}")
+        lo, hi = min(runs[k]), max(runs[k])
+        print(f"{k:>24}: {v:7.2f} tok/s [{lo:.1f}, {hi:.1f}]  vs kvcache "
+              f"{v / med['kvcache']:.3f}{vs_rot}")
     print(json.dumps({"context": context, "budgets": budgets, "median_tok_s": med}))
 
 
@@ -123,9 +147,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--contexts", type=int, nargs="+", default=[4096])
     p.add_argument("--budgets", type=int, nargs="+", default=[256])
-    p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--unfused", action="store_true", help="also time the op-by-op path")
+    p.add_argument("--steps", type=int, default=32, help="decode steps per round")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--variants", nargs="*", default=[], choices=["unfused", "views"],
+                   help="also time the op-by-op path / the fused step on fetched views")
     p.add_argument("--no-bench", action="store_true")
     p.add_argument("--no-check", action="store_true")
     args = p.parse_args()
@@ -134,7 +159,7 @@ def main():
     if not args.no_bench:
         model = random_model("qwen3-8b", bits=4, dtype=mx.bfloat16)
         for context in args.contexts:
-            bench(model, context, args.budgets, args.steps, args.repeats, args.unfused)
+            bench(model, context, args.budgets, args.steps, args.rounds, args.variants)
     sys.exit(0 if ok else 1)
 
 

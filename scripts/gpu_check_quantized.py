@@ -282,7 +282,12 @@ def model_bench(context, max_kv, steps, reps):
                 if "dequant" in name
                 else fused
             )
-            results[name].append(decode_tps(model, new_cache, prompt, steps))
+            try:
+                results[name].append(decode_tps(model, new_cache, prompt, steps))
+            except (RuntimeError, ValueError) as e:  # e.g. a shape MLX's CUDA lacks
+                print(f"decode cache={name} failed: {str(e).splitlines()[0]}")
+                results[name].append(float("nan"))
+                continue
             print(
                 f"decode rep={rep} cache={name} context={context} max_kv={max_kv} "
                 f"tok_s={results[name][-1]:.1f}"

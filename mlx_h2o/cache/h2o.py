@@ -34,6 +34,10 @@ class H2OKVCache:
     # GPU decode: one fused launch attends, folds scores and picks the next
     # victim (kernels.h2o_decode_step); False keeps the op-by-op path.
     use_fused_step = True
+    # The fused step reads the whole K/V buffers with a valid count (fixed
+    # shapes: its compiled launch replays while the cache fills); False passes
+    # the fetched views instead (kept to compare the two in benchmarks).
+    fused_whole_buffers = True
 
     def __init__(self, config: H2OConfig, window_size: Optional[int] = None):
         if not isinstance(config, H2OConfig):
@@ -281,7 +285,7 @@ class H2OKVCache:
 
     def _fused_step(self, queries, keys, values, scale, mask, sinks):
         slot, n = self._slot, self._n
-        if mask is None:
+        if mask is None and self.fused_whole_buffers:
             # Whole buffers + a valid count: shapes only change when the buffers
             # grow, so the plan's compiled launch replays on every other step.
             keys, values = self.kv.keys, self.kv.values
