@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mlx_h2o import policy  # noqa: E402
 from mlx_h2o.cache import H2OKVCache  # noqa: E402
 from mlx_h2o.config import H2OConfig  # noqa: E402
-from mlx_h2o.kernels import gpu_backend, h2o_decode_step  # noqa: E402
+from mlx_h2o.kernels import gpu_backend, h2o_decode_step, h2o_fold_step  # noqa: E402
 from mlx_h2o.kernels.decode import decode_attention  # noqa: E402
 from mlx_h2o.kernels.testing import (  # noqa: E402
     OUT_TOL, Case, check_case, make_inputs, rel_err, to_np,
@@ -231,6 +231,59 @@ def run_fused(steps: int, seed: int) -> int:
     return failures
 
 
+FOLD_CASES = (  # (mode, B, Hq, Hk, N, cap, window, pinned)
+    ("ema", 1, 32, 8, 256, 256, None, ()),
+    ("accumulated", 2, 16, 2, 97, 128, 40, ((10, 20),)),
+    ("normalized", 1, 4, 4, 1025, 1100, None, ()),
+    ("attention_ema", 2, 28, 4, 300, 300, 200, ((0, 2),)),
+)
+
+
+def fold_reference(logits, lse, positions, score, count, slot, offset, mode, sink, recent,
+                   pinned, window):
+    s = slot.reshape(*slot.shape[:2], -1)[..., :1]
+    positions = mx.put_along_axis(positions, s, mx.full(s.shape, offset - 1, mx.int32), axis=2)
+    score = mx.put_along_axis(score, s, mx.zeros(s.shape, mx.float32), axis=2)
+    count = mx.put_along_axis(count, s, mx.zeros(s.shape, mx.float32), axis=2)
+    N = logits.shape[-1]
+    pos = positions[..., :N]
+    sc, cn = policy.fold_scores(mode, score[..., :N], count[..., :N], logits, lse, 0.95)
+    keep = policy.protected(pos, offset + 1, sink, recent, pinned)
+    pri = policy.priority(policy.eviction_score(mode, sc, cn), keep, pos, offset + 1, window)
+    return pos, sc, cn, policy.select_victim(pri, pos)
+
+
+def run_fold(seed: int) -> int:
+    """h2o_fold_step vs the policy in mx ops on the CPU: exact victims and positions."""
+    rng, fails = np.random.default_rng(seed), 0
+    for mode, B, Hq, Hk, N, cap, window, pinned in FOLD_CASES:
+        offset = N + 50
+        pos = np.stack([np.stack([rng.permutation(offset - 1)[:cap] for _ in range(Hk)])
+                        for _ in range(B)]).astype(np.int32)
+        logits = rng.standard_normal((B, Hq, 1, N)).astype(np.float32) * 3
+        logits[..., rng.random(N) < 0.1] = -np.inf  # masked keys
+        lse = np.log(np.exp(logits).sum(-1))
+        score = rng.random((B, Hk, cap)).astype(np.float32)
+        count = rng.integers(0, 9, (B, Hk, cap)).astype(np.float32)
+        slot = rng.integers(0, N, (B, Hk)).astype(np.int32)
+        args = [mx.array(a) for a in (logits, lse, pos, score, count)]
+        res = h2o_fold_step(*args, slot=mx.array(slot), offset=offset, mode=mode,
+                            sink_size=4, recent_budget=16, pinned=pinned, window_size=window)
+        mx.eval(res)
+        with mx.stream(mx.cpu):
+            ref = fold_reference(*args, mx.array(slot), offset, mode, 4, 16, pinned, window)
+            mx.eval(ref)
+        ok = (np.array_equal(np.array(res.victim)[..., 0, 0], np.array(ref[3]))
+              and np.array_equal(np.array(res.positions)[..., :N], np.array(ref[0]))
+              and np.allclose(np.array(res.score)[..., :N], np.array(ref[1]), rtol=1e-5, atol=1e-7)
+              and np.array_equal(np.array(res.count)[..., :N], np.array(ref[2]))
+              and np.array_equal(np.array(res.positions)[..., N:], pos[..., N:]))
+        fails += not ok
+        print(f"fold {mode:14s} B={B} H={Hq}/{Hk} N={N} cap={cap} w={window}: "
+              f"{'ok' if ok else 'FAIL'}")
+    return fails
+
+
 def warm(quick: bool, shard: int, jobs: int):
     """Compile this shard's kernels (MLX caches them on disk for the checker)."""
     cases = [c for group in attention_cases(quick).values() for c in group]
@@ -271,6 +324,7 @@ def main():
     if args.jobs > 1 and not args.skip_attention:
         warm_all(args.quick, args.jobs)
     fails = 0 if args.skip_attention else run_attention(args.quick, seed)
+    fails += run_fold(seed)
     fails += run_fused(args.fused_steps, seed)
     print(f"total failures: {fails}  ({time.time() - t0:.0f} s)")
     return 1 if fails else 0

@@ -70,12 +70,13 @@ def emulated_kernel(monkeypatch):
     monkeypatch.setattr(h2o_module, "make_plan", emulated_plan)
 
 
-def drive(cache, lengths, seed, trim_at=None):
+def drive(cache, lengths, seed, trim_at=None, dim=D):
     rng, outs = np.random.default_rng(seed), []
     for i, L in enumerate(lengths):
         if i == trim_at:
             cache.trim(3)
-        q, k, v = (mx.array(rng.standard_normal((2, h, L, D)).astype(np.float32)) for h in (HQ, HK, HK))
+        q, k, v = (mx.array(rng.standard_normal((2, h, L, dim)).astype(np.float32))
+                   for h in (HQ, HK, HK))
         mask = cache.make_mask(L)
         keys, values = cache.update_and_fetch(k * 3, v)
         outs.append(cache.h2o_attention(q, keys, values, scale=1.0, mask=mask))
@@ -118,3 +119,53 @@ def test_deferred_metadata_on_the_op_by_op_path(emulated_kernel, monkeypatch, wi
         np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-6)
     for x, y in zip(deferred.state, plain.state):
         np.testing.assert_array_equal(np.array(x), np.array(y))
+
+
+def emulated_fold(logits, lse, positions, score, count, *, slot, append_slot, offset, mode,
+                  alpha, sink_size, recent_budget, pinned, window_size):
+    """kernels.h2o_fold_step's contract in plain mx ops."""
+    from mlx_h2o.kernels import H2OFold
+
+    B, Hk, N = positions.shape[0], positions.shape[1], logits.shape[-1]
+    assert slot is None or slot.dtype == mx.int32
+    s = (slot.reshape(B, Hk, -1)[..., :1] if slot is not None
+         else mx.full((B, Hk, 1), append_slot, mx.int32))
+    positions = put_slot(positions, s, mx.full(s.shape, offset - 1, mx.int32))
+    score = put_slot(score, s, mx.zeros(s.shape, mx.float32))
+    count = put_slot(count, s, mx.zeros(s.shape, mx.float32))
+    pos = positions[..., :N]
+    sc, cn = policy.fold_scores(mode, score[..., :N], count[..., :N], logits, lse, alpha)
+    score[..., :N], count[..., :N] = sc, cn
+    keep = policy.protected(pos, offset + 1, sink_size, recent_budget, pinned)
+    pri = policy.priority(policy.eviction_score(mode, sc, cn), keep, pos, offset + 1, window_size)
+    victim = policy.select_victim(pri, pos).astype(mx.int32)[..., None, None]
+    return H2OFold(positions, score, count, victim)
+
+
+@pytest.fixture
+def emulated_fold_kernel(monkeypatch):
+    monkeypatch.setattr(h2o_module, "fold_step_supported", lambda *a, **k: True)
+    monkeypatch.setattr(h2o_module, "h2o_fold_step", emulated_fold)
+
+
+@pytest.mark.parametrize("mode", ["ema", "accumulated", "normalized"])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("kind", ["dense", "q8"])
+def test_fold_step_path_matches_op_by_op_path(emulated_fold_kernel, mode, window, kind):
+    """Decode steps on the op-by-op attention fold and pick the victim in one
+    launch on a GPU; the cache's bookkeeping around it must match the policy."""
+    from mlx_h2o.cache import QuantConfig, QuantizedH2OKVCache
+
+    cfg = H2OConfig(max_size=12, sink_size=2, heavy_budget=5, score=mode, pinned=((3, 4),))
+    make = ((lambda: H2OKVCache(cfg, window)) if kind == "dense"
+            else (lambda: QuantizedH2OKVCache(cfg, window, quant=QuantConfig(8, 32))))
+    dim = D if kind == "dense" else 64
+    folded, plain = make(), make()
+    plain.fold_on_gpu = False
+    lengths = [5] + [1] * 10 + [9] + [1] * 15 + [6] + [1] * 20
+    for a, b in zip(drive(folded, lengths, 5, 30, dim), drive(plain, lengths, 5, 30, dim)):
+        np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-6)
+    assert (folded.offset, folded.evicted) == (plain.offset, plain.evicted)
+    assert folded._victim is not None  # the last steps carried the fold's victim
+    for x, y in zip(folded.state, plain.state):
+        np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-6)

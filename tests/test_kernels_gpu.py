@@ -153,3 +153,12 @@ def test_dispatch_picks_kernel_on_gpu():
     got = kernels.scaled_dot_product_attention_with_scores(q, k, v, scale=0.125)
     want = reference.scaled_dot_product_attention_with_scores(q, k, v, scale=0.125)
     assert rel_err(to_np(got[1]), to_np(want[1])) < 1e-5
+
+
+def test_fold_kernel_shares_the_body_and_names_its_inputs():
+    _, cuda = build.fold_source("cuda")
+    _, metal = build.fold_source("metal")
+    assert cuda.replace(source.CUDA_IDS, "") == metal.replace(source.METAL_IDS, "")
+    inputs, outputs = build.fold_names()
+    for name in inputs + outputs:
+        assert name in cuda, name

@@ -8,7 +8,8 @@ from mlx_lm.models.base import create_causal_mask
 
 from .. import policy
 from ..config import H2OConfig, config_from_dict, config_to_dict
-from ..kernels import fused_step_ok, gpu_backend, make_plan
+from ..kernels import fold_step_supported, fused_step_ok, gpu_backend, h2o_fold_step
+from ..kernels import make_plan
 from .storage import DenseKV, put_slot, resize_slots, take_slots
 
 NO_SCORES = (
@@ -38,6 +39,10 @@ class H2OKVCache:
     # shapes: its compiled launch replays while the cache fills); False passes
     # the fetched views instead (kept to compare the two in benchmarks).
     fused_whole_buffers = True
+    # Decode steps that take the op-by-op attention (quantized storage, masks)
+    # fold their scores and pick the next victim in one GPU launch
+    # (kernels.h2o_fold_step); subclasses that move tokens on eviction opt out.
+    fold_on_gpu = True
 
     def __init__(self, config: H2OConfig, window_size: Optional[int] = None):
         if not isinstance(config, H2OConfig):
@@ -100,6 +105,10 @@ class H2OKVCache:
         out, logits, lse = self.kv.attention(
             queries, keys, values, scale=scale, mask=mask, sinks=sinks
         )
+        if queries.shape[2] == 1 and self.fold_on_gpu and fold_step_supported(
+            logits, lse, self.positions
+        ):
+            return self._fold_step(out, logits, lse)
         n, cfg = self._n, self.config
         # Only a chunk that overflows the budget is scored by its window (SnapKV).
         over = n > self.max_size
@@ -299,6 +308,19 @@ class H2OKVCache:
         self._slot, self._meta_pending = None, False
         self._pending = False
         return res.out
+
+    def _fold_step(self, out, logits, lse):
+        cfg, slot, n = self.config, self._slot, self._n
+        res = h2o_fold_step(
+            logits, lse, self.positions, self.score, self.count, slot=slot,
+            append_slot=n - 1 if slot is None else None, offset=self.offset,
+            mode=cfg.score, alpha=cfg.ema_alpha, sink_size=cfg.sink_size,
+            recent_budget=cfg.recent_budget, pinned=cfg.pinned, window_size=self.window_size,
+        )
+        self.positions, self.score, self.count = res.positions, res.score, res.count
+        self._victim = res.victim if n >= self.max_size else None
+        self._slot, self._pending = None, False
+        return out
 
     def _step_plan(self, queries, keys, scale, mask, sinks):
         # Rebuilt only when shapes, buffer capacity or the mask kind change.

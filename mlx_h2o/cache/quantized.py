@@ -143,6 +143,7 @@ class MixedPrecisionH2OKVCache(QuantizedH2OKVCache):
     """
 
     storage_cls = MixedKV
+    fold_on_gpu = False  # an eviction here also moves a token between zones
 
     @staticmethod
     def _check_quant(quant, config):

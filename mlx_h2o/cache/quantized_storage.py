@@ -95,6 +95,10 @@ class QuantizedKV:
     def write_slot(self, slot: mx.array, keys: mx.array, values: mx.array):
         self.put(slot, self.quantize(keys), self.quantize(values))
 
+    def write_index(self, index: mx.array, keys: mx.array, values: mx.array):
+        """Write one token per row at ``index`` (B, Hk, 1, 1): a fold step's victim."""
+        self.write_slot(index[..., 0], keys, values)
+
     def put(self, slot: mx.array, keys: Triple, values: Triple):
         """Write already-quantized (B, Hk, 1, ·) triples into slot (B, Hk, 1)."""
         self.keys = tuple(put_slot(a, slot, x) for a, x in zip(self.keys, keys))

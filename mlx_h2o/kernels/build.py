@@ -105,22 +105,30 @@ def pass2_source(backend: str, sinks: bool, fused: bool):
     return header, body
 
 
+def fold_names():
+    inputs = ["logits", "lse", "pos_in", "score_in", "count_in", "slot", "prm_i", "prm_f", "pin"]
+    return inputs, ["pos_out", "score_out", "count_out", "victim"]
+
+
+def fold_source(backend: str):
+    """(header, body) of the fold-only kernel (score fold + next victim)."""
+    header, ids = _prelude(backend)
+    tail = Template(src.FOLD).substitute(NV="prm_i[5]", NS="logits_shape[3]")
+    return header, Template(src.FOLD_ONLY).substitute(IDS=ids, TAIL=tail)
+
+
 def _digest(*parts: str) -> str:
     return hashlib.sha1("\0".join(parts).encode()).hexdigest()[:10]
 
 
-def _kernel(backend: str, name: str, names, header: str, body: str):
+def _kernel(backend: str, name: str, names, header: str, body: str, contiguous=False):
     inputs, outputs = names
     # The source hash is in the name: MLX caches compiled kernels by name.
     full = f"{name}_{_digest(header, body)}"
-    if backend == "cuda":
-        return mx.fast.cuda_kernel(
-            name=full, input_names=inputs, output_names=outputs, source=body,
-            header=header, ensure_row_contiguous=False,
-        )
-    return mx.fast.metal_kernel(
+    make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
+    return make(
         name=full, input_names=inputs, output_names=outputs, source=body,
-        header=header, ensure_row_contiguous=False,
+        header=header, ensure_row_contiguous=contiguous,
     )
 
 
@@ -152,6 +160,16 @@ def _make_pass2_kernel(sinks: bool, fused: bool):
     )
 
 
+@lru_cache(maxsize=None)
+def _make_fold_kernel():
+    """Fold-only kernel, or None without a GPU backend. Its logits are indexed
+    flat, so inputs are made row-contiguous (a no-op for kernel outputs)."""
+    backend = gpu_backend()
+    if backend is None:
+        return None
+    return _kernel(backend, "h2o_fold", fold_names(), *fold_source(backend), contiguous=True)
+
+
 def all_sources(backend: str) -> List[Tuple[str, str, str]]:
     """(label, header, body) of every kernel variant, for compile checks."""
     out = []
@@ -164,4 +182,5 @@ def all_sources(backend: str) -> List[Tuple[str, str, str]]:
     for sinks in (False, True):
         for fused in (False, True):
             out.append((f"pass2 sinks={sinks} fused={fused}", *pass2_source(backend, sinks, fused)))
+    out.append(("fold", *fold_source(backend)))
     return out

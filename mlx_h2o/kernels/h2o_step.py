@@ -5,7 +5,8 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .build import SCORE_MODES, _make_pass1_kernel, _make_pass2_kernel, gpu_backend
+from .build import SCORE_MODES, _make_fold_kernel, _make_pass1_kernel, _make_pass2_kernel
+from .build import gpu_backend
 from . import decode
 from .decode import NT, MAX_SPLITS, Mask, choose_splits, layout, mask_mode
 from .decode import params_f, supported
@@ -251,3 +252,69 @@ def make_plan(queries, keys, positions, mask, sinks, *, mode, alpha, scale, sink
     return step_plan(B, Hq, Hk, D, queries.dtype, positions.shape[2], kind, mh, mode,
                      float(alpha), float(scale), sink_size, recent_budget,
                      tuple(tuple(p) for p in pinned), window_size, sinks is not None)
+
+
+class H2OFold(NamedTuple):
+    """Results of h2o_fold_step (new arrays)."""
+
+    positions: mx.array  # (B, n_kv_heads, cap) int32
+    score: mx.array  # (B, n_kv_heads, cap) float32
+    count: mx.array  # (B, n_kv_heads, cap) float32
+    victim: mx.array  # (B, n_kv_heads, 1, 1) int32: slot to overwrite next step
+
+
+def fold_step_supported(logits, lse, positions) -> bool:
+    """Whether h2o_fold_step runs here: a GPU, one query (L == 1), GQA shapes."""
+    if gpu_backend() is None or mx.default_device() != mx.gpu:
+        return False
+    if logits.ndim != 4 or logits.shape[2] != 1 or positions.ndim != 3:
+        return False
+    B, Hq, _, N = logits.shape
+    Hk = positions.shape[1]
+    return (positions.shape[0] == B and Hq % Hk == 0 and Hq // Hk <= 128
+            and N <= positions.shape[2] and tuple(lse.shape) == (B, Hq, 1))
+
+
+def h2o_fold_step(
+    logits: mx.array,
+    lse: mx.array,
+    positions: mx.array,
+    score: mx.array,
+    count: mx.array,
+    *,
+    slot: Optional[mx.array],
+    append_slot: Optional[int] = None,
+    offset: int,
+    mode: str = "ema",
+    alpha: float = 0.95,
+    sink_size: int = 0,
+    recent_budget: int = 1,
+    pinned: Sequence[Tuple[int, int]] = (),
+    window_size: Optional[int] = None,
+) -> H2OFold:
+    """The fused step's second half alone: fold one decode step's attention
+    (logits (B, n_heads, 1, N) float32 and lse (B, n_heads, 1), from any
+    attention that exports them) into the scores and pick the next victim, in
+    one launch. Arguments as h2o_decode_step; the token's slot gets position
+    ``offset - 1`` and fresh scores before the fold. For caches whose
+    attention cannot fold a GQA group itself (the quantized kernel)."""
+    if mode not in SCORE_MODES:
+        raise ValueError(f"unknown score mode {mode!r}; use one of {SCORE_MODES}")
+    if not fold_step_supported(logits, lse, positions):
+        raise ValueError("h2o_fold_step: inputs not supported on this backend")
+    if (slot is None) == (append_slot is None):
+        raise ValueError("pass exactly one of slot and append_slot")
+    B, Hq, _, N = logits.shape
+    Hk, cap = positions.shape[1], positions.shape[2]
+    prm_i = mx.array([offset, -1 if append_slot is None else append_slot, window_size or 0,
+                      sink_size, recent_budget, N], mx.int32)
+    f32, i32 = mx.float32, mx.int32
+    pos, sc, cn, victim = _make_fold_kernel()(
+        inputs=[logits, lse, positions, score, count, _no_slot() if slot is None else slot,
+                prm_i, params_f(1.0, float(alpha)), _pins(tuple(tuple(p) for p in pinned))],
+        template=[("G", Hq // Hk), ("HK", Hk), ("D", 1), ("MODE", SCORE_MODES.index(mode))],
+        grid=(B * Hk * NT, 1, 1), threadgroup=(NT, 1, 1),
+        output_shapes=[(B, Hk, cap)] * 3 + [(B, Hk, 1, 1)],
+        output_dtypes=[i32, f32, f32, i32],
+    )
+    return H2OFold(pos, sc, cn, victim)

@@ -606,6 +606,21 @@ FOLD = r"""
   }
 """
 
+# The fold alone, after any attention that exported (logits, lse): one block
+# per (sequence, KV head). The quantized caches use it (their attention kernel
+# has one block per query row, so it cannot fold a GQA group itself).
+FOLD_ONLY = r"""
+$IDS
+  constexpr int NT = 128;
+  H2O_SHARED float lse_sh[G];
+  if (tid < G) {
+    const int b_ = blk_x / HK;
+    const int hq_ = (blk_x % HK) * G + tid;
+    lse_sh[tid] = lse[b_ * lse_strides[0] + hq_ * lse_strides[1]];
+  }
+$TAIL
+"""
+
 # Pass 1 with one split hands its lse to the fold through shared memory.
 FOLD_PASS1_LSE = r"""
   H2O_SHARED float lse_sh[R];
