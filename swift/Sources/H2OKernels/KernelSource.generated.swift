@@ -108,6 +108,19 @@ enum KernelSource {
   }
 
 """#,
+        "FOLD_ONLY": #"""
+
+$IDS
+  constexpr int NT = 128;
+  H2O_SHARED float lse_sh[G];
+  if (tid < G) {
+    const int b_ = blk_x / HK;
+    const int hq_ = (blk_x % HK) * G + tid;
+    lse_sh[tid] = lse[b_ * lse_strides[0] + hq_ * lse_strides[1]];
+  }
+$TAIL
+
+"""#,
         "FOLD_PASS1_LSE": #"""
 
   H2O_SHARED float lse_sh[R];
