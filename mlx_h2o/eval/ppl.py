@@ -117,7 +117,8 @@ def ratio_vs(
     idx = rng.integers(0, n, size=(boot, n))
     rb = np.array([stats(d[:, i].mean(axis=1))[2] for i in idx])
     return {
-        "n": n, "delta_cand_pct": float(100 * ea), "delta_ref_pct": float(100 * eb), "ratio": float(r),
+        "n": n, "delta_cand_pct": float(100 * ea), "delta_ref_pct": float(100 * eb),
+        "ratio": float(r),
         "ratio_se": float(np.sqrt(g_r @ cov @ g_r)),
         "ratio_ci95": [float(np.quantile(rb, 0.025)), float(np.quantile(rb, 0.975))],
         "target": target, "margin_pct": float(100 * margin),
