@@ -22,6 +22,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 import mlx_h2o
 from mlx_h2o import H2OConfig, H2OKVCache, make_h2o_cache
+from mlx_h2o.cache import QuantConfig, quantized_cache_type
 from mlx_h2o.eval.bench import random_model
 
 
@@ -120,6 +121,11 @@ def bench(model, context, budgets, steps, rounds, variants):
             strategies[f"h2o_evict_{b}_unfused"] = lambda e=evict: unfused(e, model)
         if "views" in variants:
             strategies[f"h2o_evict_{b}_views"] = lambda e=evict: views(e, model)
+        if "quantized" in variants:
+            for bits in (8, 4):
+                qt = quantized_cache_type(QuantConfig(bits, 64))
+                strategies[f"h2o_evict_{b}_q{bits}"] = (
+                    lambda e=evict, qt=qt: make_h2o_cache(model, e, cache_type=qt))
     print(f"bench: qwen3-8b shapes 4-bit bf16 context={context} budgets={budgets} "
           f"steps/round={steps} rounds={rounds} mlx={mx.__version__}")
     state = {}
@@ -149,8 +155,9 @@ def main():
     p.add_argument("--budgets", type=int, nargs="+", default=[256])
     p.add_argument("--steps", type=int, default=32, help="decode steps per round")
     p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--variants", nargs="*", default=[], choices=["unfused", "views"],
-                   help="also time the op-by-op path / the fused step on fetched views")
+    p.add_argument("--variants", nargs="*", default=[], choices=["unfused", "views", "quantized"],
+                   help="also time the op-by-op path / the fused step on fetched views / "
+                        "8- and 4-bit H2O caches")
     p.add_argument("--no-bench", action="store_true")
     p.add_argument("--no-check", action="store_true")
     args = p.parse_args()
