@@ -280,6 +280,14 @@ def streams():
             (14, *decode(5), 6, *decode(4), 4), n_heads=2, seed=8,
         ),
         Stream(
+            # A chunk that fits is scored by all its queries; only one that
+            # overflows the budget is scored by its last prefill_window.
+            "prefill_window_fitting_chunk",
+            C(max_size=12, sink_size=1, recent_budget=3, score="accumulated",
+              prefill_window=3, prefill_pool=3, step=4),
+            (6, *decode(3), 6, *decode(4)), n_heads=2, seed=9,
+        ),
+        Stream(
             "quantized_8bit_gqa", C(max_size=8, sink_size=1, recent_budget=3, step=4),
             (9, *decode(6), 4, ("trim", 2), *decode(3)), n_heads=4, n_kv_heads=2,
             quant=dict(bits=8, group_size=32), seed=6,

@@ -72,13 +72,16 @@ public struct H2OSlots: Sendable {
                     + "\(scores.queries), \(scores.keys)) do not fit \(batchSize) sequences, "
                     + "\(kvHeads) KV heads, \(size) slots")
         }
+        // Only a chunk that overflows the budget is scored by its window (SnapKV).
+        let over = size > config.maxSize
         for b in 0 ..< batchSize {
             for h in 0 ..< kvHeads {
                 let r = b * kvHeads + h
                 H2OPolicy.foldScores(
                     mode: config.score, score: &score[r], count: &count[r], scores: scores,
                     batch: b, kvHead: h, kvHeads: kvHeads, alpha: config.emaAlpha,
-                    window: config.prefillWindow, positions: positions[r], pool: config.prefillPool)
+                    window: over ? config.prefillWindow : 0, positions: positions[r],
+                    pool: over ? config.prefillPool : 0)
             }
         }
         let offset = ledger.offset

@@ -80,10 +80,13 @@ open class H2OKVCache: KVCache {
         let (out, logits, lse) = storage.attention(
             queries: queries, n: n, scale: scale, mask: combinedMask(queries.dim(2), mask),
             sinks: sinks)
+        // Only a chunk that overflows the budget is scored by its window (SnapKV).
+        let over = n > config.maxSize
         let (s, c) = H2OPolicy.foldScores(
             mode: config.score, score: score![.ellipsis, ..<n], count: count![.ellipsis, ..<n],
-            logits: logits, lse: lse, alpha: config.emaAlpha, window: config.prefillWindow,
-            positions: positions![.ellipsis, ..<n], pool: config.prefillPool)
+            logits: logits, lse: lse, alpha: config.emaAlpha,
+            window: over ? config.prefillWindow : 0, positions: positions![.ellipsis, ..<n],
+            pool: over ? config.prefillPool : 0)
         score![.ellipsis, ..<n] = s
         count![.ellipsis, ..<n] = c
         let keep =
