@@ -19,12 +19,8 @@ key (32); EPL elements per lane; U keys per warp iteration; MH mask head mode
 
 NT = 128
 
-# Per-backend preludes: the header part (macros, vector fetch) and the ids
-# part, which must sit in the body so MLX sees the Metal attribute names.
-CUDA_HEADER = r"""
-#define H2O_FN __device__ __forceinline__
-#define H2O_MIN(a, b) min((a), (b))
-typedef long long i64;
+# Backend-neutral macros of both preludes (they use only other H2O_ macros).
+ROW_MACROS = r"""
 #define H2O_ROW_HQ(r) (hk * G + (rt * R + (r)) / L)
 #define H2O_ROW_L(r) ((rt * R + (r)) % L)
 // One reduce-scatter level over x[0 .. 2 * HALF) across lanes `lane ^ M`:
@@ -43,7 +39,15 @@ typedef long long i64;
   } else {                                                               \
     x[0] += H2O_SHFL_XOR(x[0], (M));                                     \
   }
-#define H2O_SHARED __shared__
+""".lstrip("\n")
+
+# Per-backend preludes: the header part (macros, vector fetch) and the ids
+# part, which must sit in the body so MLX sees the Metal attribute names.
+CUDA_HEADER = r"""
+#define H2O_FN __device__ __forceinline__
+#define H2O_MIN(a, b) min((a), (b))
+typedef long long i64;
+""" + ROW_MACROS + r"""#define H2O_SHARED __shared__
 #define H2O_THREAD
 #define H2O_BARRIER() __syncthreads()
 #define H2O_BARRIER_DEVICE() __syncthreads()
@@ -111,25 +115,7 @@ METAL_HEADER = r"""
 #define H2O_FN inline
 #define H2O_MIN(a, b) metal::min((a), (b))
 typedef long i64;
-#define H2O_ROW_HQ(r) (hk * G + (rt * R + (r)) / L)
-#define H2O_ROW_L(r) ((rt * R + (r)) % L)
-// One reduce-scatter level over x[0 .. 2 * HALF) across lanes `lane ^ M`:
-// a lane keeps the half its bit selects and adds the partner's copy of it
-// (HALF == 0: the values are already scattered, plain butterfly add).
-#define H2O_RS(M, HALF)                                                  \
-  if ((HALF) > 0) {                                                      \
-    const bool up_ = (lane & (M)) != 0;                                  \
-    H2O_UNROLL                                                           \
-    for (int i_ = 0; i_ < (HALF); ++i_) {                                \
-      const float lo_ = x[i_];                                           \
-      const float hi_ = x[i_ + (HALF)];                                  \
-      const float got_ = H2O_SHFL_XOR(up_ ? lo_ : hi_, (M));             \
-      x[i_] = (up_ ? hi_ : lo_) + got_;                                  \
-    }                                                                    \
-  } else {                                                               \
-    x[0] += H2O_SHFL_XOR(x[0], (M));                                     \
-  }
-#define H2O_SHARED threadgroup
+""" + ROW_MACROS + r"""#define H2O_SHARED threadgroup
 #define H2O_THREAD thread
 #define H2O_BARRIER() threadgroup_barrier(metal::mem_flags::mem_threadgroup)
 #define H2O_BARRIER_DEVICE() \

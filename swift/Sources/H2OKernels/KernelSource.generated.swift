@@ -497,6 +497,27 @@ $SINK_SUM
 $TAIL
 
 """#,
+        "ROW_MACROS": #"""
+#define H2O_ROW_HQ(r) (hk * G + (rt * R + (r)) / L)
+#define H2O_ROW_L(r) ((rt * R + (r)) % L)
+// One reduce-scatter level over x[0 .. 2 * HALF) across lanes `lane ^ M`:
+// a lane keeps the half its bit selects and adds the partner's copy of it
+// (HALF == 0: the values are already scattered, plain butterfly add).
+#define H2O_RS(M, HALF)                                                  \
+  if ((HALF) > 0) {                                                      \
+    const bool up_ = (lane & (M)) != 0;                                  \
+    H2O_UNROLL                                                           \
+    for (int i_ = 0; i_ < (HALF); ++i_) {                                \
+      const float lo_ = x[i_];                                           \
+      const float hi_ = x[i_ + (HALF)];                                  \
+      const float got_ = H2O_SHFL_XOR(up_ ? lo_ : hi_, (M));             \
+      x[i_] = (up_ ? hi_ : lo_) + got_;                                  \
+    }                                                                    \
+  } else {                                                               \
+    x[0] += H2O_SHFL_XOR(x[0], (M));                                     \
+  }
+
+"""#,
         "SINK_INIT_PASS1": #"""
 
   if (grp == 0 && my_r < R) {  // the sink column counts once, in warp 0
