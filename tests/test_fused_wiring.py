@@ -144,6 +144,8 @@ def emulated_fold(logits, lse, positions, score, count, *, slot, append_slot, of
 
 @pytest.fixture
 def emulated_fold_kernel(monkeypatch):
+    # A GPU as the cache sees it: decode metadata is deferred to the kernels.
+    monkeypatch.setattr(h2o_module, "gpu_backend", lambda: "emulated")
     monkeypatch.setattr(h2o_module, "fold_step_supported", lambda *a, **k: True)
     monkeypatch.setattr(h2o_module, "h2o_fold_step", emulated_fold)
 

@@ -87,7 +87,7 @@ class H2OKVCache:
         else:
             # A decode token's position and scores wait for its attention: the
             # fused step writes them itself (three slice updates saved).
-            defer = L == 1 and self._may_fuse()
+            defer = L == 1 and (self._may_fuse() or self._may_fold())
             self._append(keys, values, meta=not defer)
             self._meta_pending = defer
         self._victim = None
@@ -99,8 +99,8 @@ class H2OKVCache:
         """Attention over the fetched keys/values that folds in this step's scores."""
         if self._fused(queries, keys, values, mask, sinks):
             return self._fused_step(queries, keys, values, scale, mask, sinks)
-        if self._meta_pending:
-            self._write_pending_meta()
+        if self._meta_pending and self.window_size is not None:
+            self._write_pending_meta()  # the window mask reads the new token's position
         mask = self._mask(queries.shape[2], mask)
         out, logits, lse = self.kv.attention(
             queries, keys, values, scale=scale, mask=mask, sinks=sinks
@@ -108,7 +108,9 @@ class H2OKVCache:
         if queries.shape[2] == 1 and self.fold_on_gpu and fold_step_supported(
             logits, lse, self.positions
         ):
-            return self._fold_step(out, logits, lse)
+            return self._fold_step(out, logits, lse)  # the kernel writes it
+        if self._meta_pending:
+            self._write_pending_meta()
         n, cfg = self._n, self.config
         # Only a chunk that overflows the budget is scored by its window (SnapKV).
         over = n > self.max_size
@@ -276,6 +278,9 @@ class H2OKVCache:
         self._meta_pending = False
 
     # --- fused GPU decode step ---------------------------------------------------
+    def _may_fold(self) -> bool:
+        return self.fold_on_gpu and gpu_backend() is not None
+
     def _may_fuse(self) -> bool:
         return self.use_fused_step and type(self.kv) is DenseKV and gpu_backend() is not None
 
@@ -319,7 +324,7 @@ class H2OKVCache:
         )
         self.positions, self.score, self.count = res.positions, res.score, res.count
         self._victim = res.victim if n >= self.max_size else None
-        self._slot, self._pending = None, False
+        self._slot, self._meta_pending, self._pending = None, False, False
         return out
 
     def _step_plan(self, queries, keys, scale, mask, sinks):
