@@ -99,18 +99,26 @@ class H2OKVCache:
         """Attention over the fetched keys/values that folds in this step's scores."""
         if self._fused(queries, keys, values, mask, sinks):
             return self._fused_step(queries, keys, values, scale, mask, sinks)
+        L = queries.shape[2]
         if self._meta_pending and self.window_size is not None:
             self._write_pending_meta()  # the window mask reads the new token's position
-        mask = self._mask(queries.shape[2], mask)
         out, logits, lse = self.kv.attention(
-            queries, keys, values, scale=scale, mask=mask, sinks=sinks
+            queries, keys, values, scale=scale, mask=self._mask(L, mask), sinks=sinks
         )
-        if queries.shape[2] == 1 and self.fold_on_gpu and fold_step_supported(
-            logits, lse, self.positions
-        ):
-            return self._fold_step(out, logits, lse)  # the kernel writes it
+        if L == 1 and self.fold_on_gpu and fold_step_supported(logits, lse, self.positions):
+            return self._fold_step(out, logits, lse)  # the kernel writes the metadata
         if self._meta_pending:
             self._write_pending_meta()
+        self._fold_ops(logits, lse)
+        if L > 1:
+            # A chunk's (L, N) logits are large: finish this layer before the next
+            # builds its own, or every layer's logits stay alive at once (a 2K
+            # prompt at B=5 on SmolLM2 peaked at 22 GB).
+            mx.eval(out, self.score, self.count, self.positions)
+        return out
+
+    def _fold_ops(self, logits, lse):
+        """Fold this step's scores op by op, then compact a chunk that overflowed."""
         n, cfg = self._n, self.config
         # Only a chunk that overflows the budget is scored by its window (SnapKV).
         over = n > self.max_size
@@ -122,14 +130,8 @@ class H2OKVCache:
         self.score[..., :n] = score
         self.count[..., :n] = count
         self._pending = False
-        if n > self.max_size:
+        if over:
             self._compact()
-        if queries.shape[2] > 1:
-            # A chunk's (L, N) logits are large: finish this layer before the next
-            # builds its own, or every layer's logits stay alive at once (a 2K
-            # prompt at B=5 on SmolLM2 peaked at 22 GB).
-            mx.eval(out, self.score, self.count, self.positions)
-        return out
 
     def size(self) -> int:
         return self._n
