@@ -14,35 +14,55 @@ import pytest
 import mlx_h2o.cache.h2o as h2o_module
 from mlx_h2o import H2OConfig, H2OKVCache, policy
 from mlx_h2o.cache.storage import put_slot
-from mlx_h2o.kernels import H2OStep
+from mlx_h2o.kernels import H2OFold, H2OStep
 from mlx_h2o.kernels.reference import scaled_dot_product_attention_with_scores
 
 D, HQ, HK = 8, 4, 2
 
 
-def emulated_step(q, k, v, positions, score, count, *, slot, append_slot, offset,
-                  scale, mode, alpha, sink_size, recent_budget, pinned, window_size,
-                  mask, sinks):
-    """h2o_decode_step's contract (kernels/h2o_step.py) in plain mx ops."""
-    B, Hk, N = k.shape[0], k.shape[1], k.shape[2]
-    assert slot is None or slot.dtype == mx.int32  # the kernel reads int32
-    s = (slot.reshape(B, Hk, -1)[..., :1] if slot is not None
-         else mx.full((B, Hk, 1), append_slot, mx.int32))
+def token_slot(slot, append_slot, B, Hk):
+    """(B, Hk, 1) slot of the new token, from a victim of any accepted shape."""
+    assert slot is None or slot.dtype == mx.int32  # the kernels read int32
+    if slot is None:
+        return mx.full((B, Hk, 1), append_slot, mx.int32)
+    return slot.reshape(B, Hk, -1)[..., :1]
+
+
+def emulated_fold(logits, lse, positions, score, count, *, slot, append_slot, offset, mode,
+                  alpha, sink_size, recent_budget, pinned, window_size):
+    """kernels.h2o_fold_step's contract in plain mx ops."""
+    B, Hk, N = positions.shape[0], positions.shape[1], logits.shape[-1]
+    s = token_slot(slot, append_slot, B, Hk)
     positions = put_slot(positions, s, mx.full(s.shape, offset - 1, mx.int32))
     score = put_slot(score, s, mx.zeros(s.shape, mx.float32))
     count = put_slot(count, s, mx.zeros(s.shape, mx.float32))
     pos = positions[..., :N]
-    win = None if window_size is None else (pos > offset - 1 - window_size)[:, :, None]
-    out, logits, lse = scaled_dot_product_attention_with_scores(
-        q, k, v, scale=scale, mask=win, sinks=sinks
-    )
     sc, cn = policy.fold_scores(mode, score[..., :N], count[..., :N], logits, lse, alpha)
     score[..., :N], count[..., :N] = sc, cn
     keep = policy.protected(pos, offset + 1, sink_size, recent_budget, pinned)
     pri = policy.priority(policy.eviction_score(mode, sc, cn), keep, pos, offset + 1, window_size)
-    victim = policy.select_victim(pri, pos).astype(mx.int32)
-    victim = mx.broadcast_to(victim[..., None, None], (B, Hk, 1, k.shape[3]))
-    return H2OStep(out, positions, score, count, victim, logits, lse)
+    victim = policy.select_victim(pri, pos).astype(mx.int32)[..., None, None]
+    return H2OFold(positions, score, count, victim)
+
+
+def emulated_step(q, k, v, positions, score, count, *, slot, append_slot, offset,
+                  scale, mode, alpha, sink_size, recent_budget, pinned, window_size,
+                  mask, sinks):
+    """h2o_decode_step's contract (kernels/h2o_step.py) in plain mx ops: the
+    attention, then the fold's contract."""
+    B, Hk, N = k.shape[0], k.shape[1], k.shape[2]
+    s = token_slot(slot, append_slot, B, Hk)
+    pos = put_slot(positions, s, mx.full(s.shape, offset - 1, mx.int32))[..., :N]
+    win = None if window_size is None else (pos > offset - 1 - window_size)[:, :, None]
+    out, logits, lse = scaled_dot_product_attention_with_scores(
+        q, k, v, scale=scale, mask=win, sinks=sinks
+    )
+    fold = emulated_fold(logits, lse, positions, score, count, slot=slot,
+                         append_slot=append_slot, offset=offset, mode=mode, alpha=alpha,
+                         sink_size=sink_size, recent_budget=recent_budget, pinned=pinned,
+                         window_size=window_size)
+    victim = mx.broadcast_to(fold.victim, (B, Hk, 1, k.shape[3]))
+    return H2OStep(out, fold.positions, fold.score, fold.count, victim, logits, lse)
 
 
 CALLS = []
@@ -66,7 +86,7 @@ def emulated_plan(queries, keys, positions, mask, sinks, *, mode, alpha, scale, 
 @pytest.fixture
 def emulated_kernel(monkeypatch):
     monkeypatch.setattr(h2o_module, "gpu_backend", lambda: "emulated")
-    monkeypatch.setattr(h2o_module, "fused_step_ok", lambda *a, **k: True)
+    monkeypatch.setattr(h2o_module, "h2o_step_supported", lambda *a, **k: True)
     monkeypatch.setattr(h2o_module, "make_plan", emulated_plan)
 
 
@@ -110,7 +130,7 @@ def test_fused_path_is_taken(emulated_kernel):
 def test_deferred_metadata_on_the_op_by_op_path(emulated_kernel, monkeypatch, window):
     """A GPU cache defers a decode token's position/scores to the fused step; when a
     step takes the op-by-op path instead, it must write them itself."""
-    monkeypatch.setattr(h2o_module, "fused_step_ok", lambda *a, **k: False)
+    monkeypatch.setattr(h2o_module, "h2o_step_supported", lambda *a, **k: False)
     cfg = H2OConfig(max_size=12, sink_size=2, heavy_budget=5, score="accumulated")
     lengths = [5] + [1] * 10 + [9] + [1] * 15
     deferred, plain = H2OKVCache(cfg, window), H2OKVCache(cfg, window)
@@ -119,27 +139,6 @@ def test_deferred_metadata_on_the_op_by_op_path(emulated_kernel, monkeypatch, wi
         np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-6)
     for x, y in zip(deferred.state, plain.state):
         np.testing.assert_array_equal(np.array(x), np.array(y))
-
-
-def emulated_fold(logits, lse, positions, score, count, *, slot, append_slot, offset, mode,
-                  alpha, sink_size, recent_budget, pinned, window_size):
-    """kernels.h2o_fold_step's contract in plain mx ops."""
-    from mlx_h2o.kernels import H2OFold
-
-    B, Hk, N = positions.shape[0], positions.shape[1], logits.shape[-1]
-    assert slot is None or slot.dtype == mx.int32
-    s = (slot.reshape(B, Hk, -1)[..., :1] if slot is not None
-         else mx.full((B, Hk, 1), append_slot, mx.int32))
-    positions = put_slot(positions, s, mx.full(s.shape, offset - 1, mx.int32))
-    score = put_slot(score, s, mx.zeros(s.shape, mx.float32))
-    count = put_slot(count, s, mx.zeros(s.shape, mx.float32))
-    pos = positions[..., :N]
-    sc, cn = policy.fold_scores(mode, score[..., :N], count[..., :N], logits, lse, alpha)
-    score[..., :N], count[..., :N] = sc, cn
-    keep = policy.protected(pos, offset + 1, sink_size, recent_budget, pinned)
-    pri = policy.priority(policy.eviction_score(mode, sc, cn), keep, pos, offset + 1, window_size)
-    victim = policy.select_victim(pri, pos).astype(mx.int32)[..., None, None]
-    return H2OFold(positions, score, count, victim)
 
 
 @pytest.fixture
