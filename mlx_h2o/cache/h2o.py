@@ -8,7 +8,7 @@ from mlx_lm.models.base import create_causal_mask
 
 from .. import policy
 from ..config import H2OConfig, config_from_dict, config_to_dict
-from ..kernels import fold_step_supported, fused_step_ok, gpu_backend, h2o_fold_step
+from ..kernels import fold_step_supported, gpu_backend, h2o_fold_step, h2o_step_supported
 from ..kernels import make_plan
 from .storage import DenseKV, put_slot, resize_slots, take_slots
 
@@ -290,12 +290,14 @@ class H2OKVCache:
         if queries.shape[2] != 1 or not self._may_fuse() or isinstance(mask, str):
             return False
         if mask is not None:
-            return fused_step_ok(queries, keys, values, self.positions, mask, sinks)
-        # Unmasked support depends on shapes only (N <= cap holds here): check once.
-        key = (queries.shape, queries.dtype, keys.shape[:2], values.shape[3],
-               keys.dtype, values.dtype, None if sinks is None else sinks.shape)
+            return h2o_step_supported(queries, keys, values, self.positions, mask, sinks)
+        # Unmasked support depends on the device and shapes only (N <= cap holds
+        # here): check once per signature.
+        key = (mx.default_device(), queries.shape, queries.dtype, keys.shape[:2],
+               values.shape[3], keys.dtype, values.dtype,
+               None if sinks is None else sinks.shape)
         if key != self._fuse_key:
-            self._fuse_ok = fused_step_ok(queries, keys, values, self.positions, None, sinks)
+            self._fuse_ok = h2o_step_supported(queries, keys, values, self.positions, None, sinks)
             self._fuse_key = key
         return self._fuse_ok
 

@@ -13,7 +13,7 @@ import mlx.core as mx
 from . import reference
 from .build import gpu_backend
 from .decode import decode_attention, supported
-from .h2o_step import H2OFold, H2OStep, fold_step_supported, fused_step_ok, h2o_decode_step
+from .h2o_step import H2OFold, H2OStep, fold_step_supported, h2o_decode_step
 from .h2o_step import h2o_fold_step, h2o_step_supported, make_plan
 from .reference import Mask, causal_mask
 
@@ -54,7 +54,6 @@ __all__ = [
     "H2OStep",
     "causal_mask",
     "fold_step_supported",
-    "fused_step_ok",
     "gpu_backend",
     "h2o_decode_step",
     "h2o_fold_step",

@@ -40,15 +40,6 @@ def _no_slot() -> mx.array:
     return mx.zeros((1, 1), dtype=mx.int32)
 
 
-@lru_cache(maxsize=256)
-def _supported_unmasked(qs, ks, vs, dtypes, ps, sinks_shape) -> bool:
-    # Without a mask array nothing here depends on N beyond N <= cap (checked
-    # by the caller), so the answer is cached per shape signature.
-    q, k, v = (mx.zeros(s, d) for s, d in zip((qs, ks, vs), dtypes))
-    sinks = None if sinks_shape is None else mx.zeros(sinks_shape)
-    return h2o_step_supported(q, k, v, mx.zeros(ps, mx.int32), None, sinks)
-
-
 def h2o_step_supported(q, k, v, positions, mask: Mask = None, sinks=None) -> bool:
     """Whether h2o_decode_step runs on this backend for these inputs."""
     if not supported(q, k, v, mask, sinks) or q.shape[2] != 1:
@@ -58,20 +49,6 @@ def h2o_step_supported(q, k, v, positions, mask: Mask = None, sinks=None) -> boo
         positions.ndim == 3
         and tuple(positions.shape[:2]) == (B, Hk)
         and positions.shape[2] >= N
-    )
-
-
-def fused_step_ok(q, k, v, positions, mask: Mask = None, sinks=None) -> bool:
-    """h2o_step_supported, cached per shape signature when there is no mask."""
-    if gpu_backend() is None or mx.default_device() != mx.gpu:
-        return False
-    if mask is not None or positions.ndim != 3 or k.ndim != 4:
-        return h2o_step_supported(q, k, v, positions, mask, sinks)
-    if k.shape[2] > positions.shape[2]:
-        return False
-    return _supported_unmasked(
-        tuple(q.shape), tuple(k.shape), tuple(v.shape), (q.dtype, k.dtype, v.dtype),
-        (*positions.shape[:2], k.shape[2]), None if sinks is None else tuple(sinks.shape),
     )
 
 
