@@ -79,15 +79,19 @@ def prefill(model, cache, context):
 
 
 def decode_tps(model, cache, y, steps):
-    """tok/s of `steps` pipelined decode steps (as mlx-lm's generate_step)."""
+    """tok/s of `steps` pipelined decode steps (as mlx-lm's generate_step), and
+    the host's graph-building time per step in ms."""
+    build = 0.0
     with mlx_h2o.patch():
         mx.synchronize()
         tic = time.perf_counter()
         for _ in range(steps):
+            t0 = time.perf_counter()
             y = model(y, cache=cache)[:, -1:].argmax(-1)
+            build += time.perf_counter() - t0
             mx.async_eval(y)
         mx.eval(y)
-        return steps / (time.perf_counter() - tic), y
+        return steps / (time.perf_counter() - tic), y, build / steps * 1e3
 
 
 def unfused(cfg, model):
@@ -133,19 +137,27 @@ def bench(model, context, budgets, steps, rounds, variants):
         cache = make()
         state[name] = [cache, prefill(model, cache, context)]
     runs = {k: [] for k in strategies}
+    builds = {k: [] for k in strategies}
     for r in range(rounds):
         for name in strategies:
-            tps, state[name][1] = decode_tps(model, state[name][0], state[name][1], steps)
+            tps, state[name][1], b = decode_tps(model, state[name][0], state[name][1], steps)
             runs[name].append(tps)
-        print(f"round={r} " + " ".join(f"{k}={v[-1]:.1f}" for k, v in runs.items()), flush=True)
+            builds[name].append(b)
+        print(f"round={r} " + " ".join(f"{k}={v[-1]:.1f}/{builds[k][-1]:.2f}ms"
+                                       for k, v in runs.items()), flush=True)
     med = {k: statistics.median(v) for k, v in runs.items()}
     for k, v in med.items():
         rot = [r for r in med if r.startswith("rotating_") and k.startswith("h2o_evict_")
                and r.split("_")[1] == k.split("_")[2]]
-        vs_rot = f"  vs {rot[0]} {v / med[rot[0]]:.3f}" if rot else ""
+        vs_rot = ""
+        if rot:
+            pr = statistics.median(a / b for a, b in zip(runs[k], runs[rot[0]]))
+            vs_rot = f"  vs {rot[0]} {v / med[rot[0]]:.3f} (paired {pr:.3f})"
         lo, hi = min(runs[k]), max(runs[k])
-        print(f"{k:>24}: {v:7.2f} tok/s [{lo:.1f}, {hi:.1f}]  vs kvcache "
-              f"{v / med['kvcache']:.3f}{vs_rot}")
+        paired = statistics.median(a / b for a, b in zip(runs[k], runs["kvcache"]))
+        print(f"{k:>24}: {v:7.2f} tok/s [{lo:.1f}, {hi:.1f}]  build "
+              f"{statistics.median(builds[k]):.2f} ms/step  vs kvcache {v / med['kvcache']:.3f} "
+              f"(paired {paired:.3f}){vs_rot}")
     print(json.dumps({"context": context, "budgets": budgets, "median_tok_s": med}))
 
 

@@ -6,7 +6,8 @@ Part 1 times building one call (host only) and chains of calls for: a JIT
 `mx.fast.cuda_kernel`, the same kernel through `mx.fast.precompiled_cuda_kernel`
 (binary taken from MLX's PTX cache, scalars by value), that JIT call wrapped in
 `mx.compile`, and MLX built-ins (SDPA, slice update, put_along_axis).
-Part 2 decodes a Qwen3-8B-shaped 4-bit model and splits each step into graph
+Part 2 times one attention layer alone (cache update + attention) per strategy,
+round-robin. Part 3 decodes a Qwen3-8B-shaped 4-bit model and splits each step into graph
 building (the forward call), dispatch (`mx.async_eval`) and the rest, with a
 cProfile of the H2O forward. Diagnostic, not a benchmark of record.
 """
@@ -191,19 +192,96 @@ def decode_split(model, cache, context, steps, profile=False):
     return ms(build), ms(disp), total * 1e3, ms(sync)
 
 
+def live_arrays(obj, depth=2):
+    """The arrays an object holds (attributes, lists, one nested object deep)."""
+    found = []
+    for v in vars(obj).values():
+        if isinstance(v, mx.array):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            found += [a for a in v if isinstance(a, mx.array)]
+            found += [a for t in v if isinstance(t, (list, tuple)) for a in t if isinstance(a, mx.array)]
+        elif depth and hasattr(v, "__dict__") and not callable(v):
+            found += live_arrays(v, depth - 1)
+    return found
+
+
+def layer_caches(context, budget):
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+    from mlx_h2o import H2OConfig, H2OKVCache
+    from mlx_h2o.cache import QuantConfig, quantized_cache_type
+    evict = H2OConfig(max_size=budget, heavy_budget=budget // 2)
+    return {
+        "kvcache": KVCache,
+        "rotating": lambda: RotatingKVCache(max_size=budget, keep=4),
+        "h2o_evict": lambda: H2OKVCache(evict),
+        "h2o_no_evict": lambda: H2OKVCache(H2OConfig(max_size=context + 4096)),
+        "h2o_evict_q8": lambda: quantized_cache_type(QuantConfig(8, 64))(evict),
+    }
+
+
+def layer_costs(context, budget, steps=300, rounds=5):
+    """One attention layer's decode step alone (cache update + attention; Qwen3-8B
+    heads, bf16): host build us and pipelined us per step, round-robin."""
+    import mlx_h2o
+    from mlx_h2o.integration.routing import scaled_dot_product_attention as sdpa
+    B, Hq, Hk, D, dt = 1, 32, 8, 128, mx.bfloat16
+    scale = D ** -0.5
+    qs = [mx.random.normal((B, Hq, 1, D)).astype(dt) for _ in range(8)]
+    ks = [mx.random.normal((B, Hk, 1, D)).astype(dt) for _ in range(8)]
+    mx.eval(qs, ks)
+    caches = {}
+    with mlx_h2o.patch():
+        for name, make in layer_caches(context, budget).items():
+            c = make()
+            for s in range(0, context, 512):
+                L = min(512, context - s)
+                k = mx.random.normal((B, Hk, L, D)).astype(dt)
+                kk, vv = c.update_and_fetch(k, k)
+                out = sdpa(mx.random.normal((B, Hq, L, D)).astype(dt), kk, vv, c, scale=scale,
+                           mask="causal")
+                mx.eval(out, live_arrays(c))
+            caches[name] = c
+        res = {n: ([], []) for n in caches}
+        for r in range(rounds):
+            for name, c in caches.items():
+                mx.synchronize()
+                build = 0.0
+                tic = time.perf_counter()
+                for i in range(steps):
+                    t0 = time.perf_counter()
+                    kk, vv = c.update_and_fetch(ks[i % 8], ks[(i + 1) % 8])
+                    out = sdpa(qs[i % 8], kk, vv, c, scale=scale, mask=None)
+                    build += time.perf_counter() - t0
+                    mx.async_eval(out, live_arrays(c))
+                mx.eval(out)
+                mx.synchronize()
+                res[name][0].append(build / steps * 1e6)
+                res[name][1].append((time.perf_counter() - tic) / steps * 1e6)
+    print(f"layer costs: context={context} budget={budget} steps={steps} rounds={rounds}")
+    for name, (b, t) in res.items():
+        print(f"  {name:>13}: build {statistics.median(b):6.1f} us  pipelined "
+              f"{statistics.median(t):6.1f} us/step  [{min(t):.1f}, {max(t):.1f}]", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--skip-calls", action="store_true")
+    p.add_argument("--layer-only", action="store_true", help="only the one-layer costs")
+    p.add_argument("--rounds", type=int, default=2, help="model decode repetitions")
     args = p.parse_args()
     print(f"mlx {mx.__version__}, device {mx.default_device()}")
     if not args.skip_calls:
         call_costs()
+    layer_costs(args.context, args.budget)
+    if args.layer_only:
+        return
     from mlx_h2o.eval.bench import random_model
     model = random_model("qwen3-8b", bits=4, dtype=mx.bfloat16)
-    for rep in range(2):
+    for rep in range(args.rounds):
         for name, make in strategies(model, args.context, args.budget).items():
             b, d, t, s = decode_split(model, make(), args.context, args.steps,
                                       profile=(rep == 1 and name == "h2o_evict"))
