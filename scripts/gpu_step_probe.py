@@ -116,8 +116,10 @@ def split_attention(c, q, k, steps=400):
         setattr(obj, name, wrapper)
 
     plan = c._plan
-    timed(c, "_fused", "cache._fused (support check)")
-    timed(c, "_step_plan", "cache._step_plan (plan lookup)")
+    timed(c, "_fused_plan", "cache._fused_plan (check + plan)")
+    timed(c, "_fused_step", "cache._fused_step (incl. launch)")
+    timed(c, "h2o_attention", "cache.h2o_attention (all)")
+    timed(c, "update_and_fetch", "cache.update_and_fetch (all)")
     timed(plan, "_steady", "plan._steady (compiled launch)")
     timed(c.kv, "write_index", "kv.write_index")
     timed(c.kv, "fetch", "kv.fetch")

@@ -60,8 +60,9 @@ class H2OKVCache:
         self._pending = False
         self._victim = None  # (B, Hk, 1, D) next victim, from the fused step
         self._slot = None  # (B, Hk, 1[, D]) slot this step's token overwrote
-        self._plan = self._plan_key = None  # the fused step's StepPlan
-        self._fuse_key, self._fuse_ok = None, False  # shapes the fused step was checked for
+        # The fused step's StepPlan (None: op-by-op) and the signature it was
+        # decided for: device, shapes, dtypes, scale.
+        self._plan = self._plan_key = None
         self._meta_pending = False  # its position/scores are not written yet
         self.model_name = ""
 
@@ -97,8 +98,9 @@ class H2OKVCache:
 
     def h2o_attention(self, queries, keys, values, *, scale, mask=None, sinks=None):
         """Attention over the fetched keys/values that folds in this step's scores."""
-        if self._fused(queries, keys, values, mask, sinks):
-            return self._fused_step(queries, keys, values, scale, mask, sinks)
+        plan = self._fused_plan(queries, keys, values, scale, mask, sinks)
+        if plan is not None:
+            return self._fused_step(plan, queries, keys, values, mask, sinks)
         L = queries.shape[2]
         if self._meta_pending and self.window_size is not None:
             self._write_pending_meta()  # the window mask reads the new token's position
@@ -286,28 +288,40 @@ class H2OKVCache:
     def _may_fuse(self) -> bool:
         return self.use_fused_step and type(self.kv) is DenseKV and gpu_backend() is not None
 
-    def _fused(self, queries, keys, values, mask, sinks) -> bool:
+    def _fused_plan(self, queries, keys, values, scale, mask, sinks):
+        """The fused step's StepPlan for this call, or None (op-by-op path)."""
         if queries.shape[2] != 1 or not self._may_fuse() or isinstance(mask, str):
-            return False
-        if mask is not None:
-            return h2o_step_supported(queries, keys, values, self.positions, mask, sinks)
-        # Unmasked support depends on the device and shapes only (N <= cap holds
-        # here): check once per signature.
-        key = (mx.default_device(), queries.shape, queries.dtype, keys.shape[:2],
-               values.shape[3], keys.dtype, values.dtype,
+            return None
+        if mask is not None:  # array masks: checked and planned per call
+            if not h2o_step_supported(queries, keys, values, self.positions, mask, sinks):
+                return None
+            return self._make_plan(queries, keys, scale, mask, sinks)
+        # Unmasked: support and plan depend on the device and shapes only (the
+        # buffers' capacity included): decided once per signature, one lookup
+        # per step (host time is what a decode step costs, docs/GPU.md).
+        key = (mx.default_device(), queries.shape, queries.dtype, keys.dtype, values.dtype,
+               values.shape[3], self.positions.shape, scale,
                None if sinks is None else sinks.shape)
-        if key != self._fuse_key:
-            self._fuse_ok = h2o_step_supported(queries, keys, values, self.positions, None, sinks)
-            self._fuse_key = key
-        return self._fuse_ok
+        if key != self._plan_key:
+            ok = h2o_step_supported(queries, keys, values, self.positions, None, sinks)
+            self._plan = self._make_plan(queries, keys, scale, None, sinks) if ok else None
+            self._plan_key = key
+        return self._plan
 
-    def _fused_step(self, queries, keys, values, scale, mask, sinks):
+    def _make_plan(self, queries, keys, scale, mask, sinks):
+        cfg = self.config
+        return make_plan(
+            queries, keys, self.positions, mask, sinks, mode=cfg.score, alpha=cfg.ema_alpha,
+            scale=scale, sink_size=cfg.sink_size, recent_budget=cfg.recent_budget,
+            pinned=cfg.pinned, window_size=self.window_size,
+        )
+
+    def _fused_step(self, plan, queries, keys, values, mask, sinks):
         slot, n = self._slot, self._n
         if mask is None and self.fused_whole_buffers:
             # Whole buffers + a valid count: shapes only change when the buffers
             # grow, so the plan's compiled launch replays on every other step.
             keys, values = self.kv.keys, self.kv.values
-        plan = self._step_plan(queries, keys, scale, mask, sinks)
         res = plan(
             queries, keys, values, self.positions, self.score, self.count,
             slot, n - 1 if slot is None else None, self.offset, mask, sinks, valid=n,
@@ -330,21 +344,6 @@ class H2OKVCache:
         self._victim = res.victim if n >= self.max_size else None
         self._slot, self._meta_pending, self._pending = None, False, False
         return out
-
-    def _step_plan(self, queries, keys, scale, mask, sinks):
-        # Rebuilt only when shapes, buffer capacity or the mask kind change.
-        key = (queries.shape, queries.dtype, self.positions.shape, scale, sinks is None)
-        if mask is None and key == self._plan_key:
-            return self._plan
-        cfg = self.config
-        plan = make_plan(
-            queries, keys, self.positions, mask, sinks, mode=cfg.score, alpha=cfg.ema_alpha,
-            scale=scale, sink_size=cfg.sink_size, recent_budget=cfg.recent_budget,
-            pinned=cfg.pinned, window_size=self.window_size,
-        )
-        if mask is None:
-            self._plan, self._plan_key = plan, key
-        return plan
 
     def _compact(self):
         pri, pos = self._priority(self.offset)

@@ -96,8 +96,14 @@ class QuantizedKV:
         self.put(slot, self.quantize(keys), self.quantize(values))
 
     def write_index(self, index: mx.array, keys: mx.array, values: mx.array):
-        """Write one token per row at ``index`` (B, Hk, 1, 1): a fold step's victim."""
-        self.write_slot(index[..., 0], keys, values)
+        """Write one token per row at ``index`` (B, Hk, 1, 1): a fold step's victim,
+        used as is by all six scatters (no per-array index reshapes: decode is
+        host-bound, every graph node counts)."""
+        kq, vq = self.quantize(keys), self.quantize(values)
+        self.keys = tuple(mx.put_along_axis(a, index, x, axis=2) for a, x in zip(self.keys, kq))
+        self.values = tuple(
+            mx.put_along_axis(a, index, x, axis=2) for a, x in zip(self.values, vq)
+        )
 
     def put(self, slot: mx.array, keys: Triple, values: Triple):
         """Write already-quantized (B, Hk, 1, ·) triples into slot (B, Hk, 1)."""
