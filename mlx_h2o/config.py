@@ -4,6 +4,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 SCORE_MODES = ("ema", "accumulated", "normalized", "attention_ema")
+PREFILL_COMPACT = ("chunk", "prompt")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,33 @@ class H2OConfig:
     neighbouring positions, so the tokens around an attended one (the rest of
     a number, a name) stay with it.
 
+    ``prefill_compact`` says when a prompt that overflows the budget is
+    compacted to ``max_size``:
+      - ``"chunk"``: at the end of every prefill chunk that overflows it. A
+        prompt longer than the prefill step (mlx-lm's generate: 2048 tokens)
+        is then compacted before its end exists, scored by a window of filler:
+        a needle early in a long document can be lost.
+      - ``"prompt"``: the cache grows through the whole prompt (``size()`` is
+        above ``max_size`` meanwhile) and is compacted once, at the first
+        decode step (L == 1), before its token is written. The prompt's last
+        chunk decides what stays: a chunk of L >= ``prefill_window`` that
+        arrives while the cache is already over budget *replaces* every
+        slot's scores with its own window's (earlier chunks' windows, and
+        scores from before the prompt, are dropped); a shorter last chunk adds
+        to the previous chunk's window, so together they still span at least
+        ``prefill_window`` queries; with ``prefill_window=0`` every chunk adds
+        (H2O over all the prompt's queries). The first chunk that overflows
+        adds to the scores like ``"chunk"``, so a prompt prefilled in one
+        chunk is kept exactly as under ``"chunk"``. Cost: the whole prompt's
+        K/V until the first decode step, and each chunk attends to all of it
+        (its scores block is chunk x tokens so far, not prompt x prompt); a
+        stream fed only in chunks, with no decode step, is never compacted.
+        Measured (docs/RESULTS.md, 4K passkey, max_kv 1024, 2048-token
+        steps): SmolLM2 0.60 under "chunk", 1.00 under "prompt"; Gemma 3
+        1.00 under both; decode-protocol perplexity identical.
+    ``config_to_dict`` leaves ``prefill_compact`` out when it is ``"chunk"``,
+    so saved caches and result keys from before the option read the same.
+
     Defaults chosen by measurement (docs/RESULTS.md): ``accumulated`` scores
     with a 32-query window and 11-position pooling for prompts that overflow
     the budget. The paper's ``ema`` of |logit| ranks strongly negative logits
@@ -55,6 +83,7 @@ class H2OConfig:
     step: int = 256
     prefill_window: int = 32
     prefill_pool: int = 11
+    prefill_compact: str = "chunk"
 
     def __post_init__(self):
         _check_int("max_size", self.max_size, 1)
@@ -70,6 +99,11 @@ class H2OConfig:
         if self.score not in SCORE_MODES:
             raise ValueError(
                 f"score={self.score!r} is not a score mode; use one of {SCORE_MODES}"
+            )
+        if self.prefill_compact not in PREFILL_COMPACT:
+            raise ValueError(
+                f"prefill_compact={self.prefill_compact!r} is not a compaction point; "
+                f"use one of {PREFILL_COMPACT}"
             )
         if not 0.0 < self.ema_alpha < 1.0:
             raise ValueError(f"ema_alpha must be in (0, 1), got {self.ema_alpha}")
@@ -142,6 +176,10 @@ def _check_pinned(pinned, heavy):
 def config_to_dict(config: H2OConfig) -> Dict[str, Any]:
     d = asdict(config)
     d["pinned"] = [list(r) for r in config.pinned]
+    if config.prefill_compact == "chunk":
+        # The default is left out: meta states (the Swift port reads them) and
+        # result keys stay those written before the option existed.
+        del d["prefill_compact"]
     return d
 
 

@@ -78,6 +78,8 @@ class H2OKVCache:
         L = keys.shape[2]
         self.token_bytes = (keys.nbytes + values.nbytes) // L
         self._slot, self._meta_pending = None, False
+        if L == 1 and self._n > self.max_size:
+            self._compact()  # the prompt is over (prefill_compact="prompt")
         if L == 1 and self._n >= self.max_size and self._victim is not None:
             # The fused step picked this victim and writes the slot's metadata.
             self._slot, self._meta_pending = self._victim, True
@@ -124,16 +126,25 @@ class H2OKVCache:
         n, cfg = self._n, self.config
         # Only a chunk that overflows the budget is scored by its window (SnapKV).
         over = n > self.max_size
+        score, count = self.score[..., :n], self.count[..., :n]
+        if over and self._replaces_window(logits.shape[2]):
+            score, count = mx.zeros_like(score), mx.zeros_like(count)
         score, count = policy.fold_scores(
-            cfg.score, self.score[..., :n], self.count[..., :n], logits, lse,
+            cfg.score, score, count, logits, lse,
             cfg.ema_alpha, cfg.prefill_window if over else 0,
             self.positions[..., :n], cfg.prefill_pool if over else 0,
         )
         self.score[..., :n] = score
         self.count[..., :n] = count
         self._pending = False
-        if over:
-            self._compact()
+        if over and cfg.prefill_compact == "chunk":
+            self._compact()  # "prompt" waits for the first decode step
+
+    def _replaces_window(self, L) -> bool:
+        """A later chunk of a prompt left uncompacted: its window alone decides."""
+        cfg = self.config
+        return (cfg.prefill_compact == "prompt" and 0 < cfg.prefill_window <= L
+                and self._n - L > self.max_size)
 
     def size(self) -> int:
         return self._n

@@ -16,7 +16,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from ..cache import load_prompt_cache
 from ..cache.quantized import QuantConfig, quantized_cache_type
-from ..config import SCORE_MODES, H2OConfig
+from ..config import PREFILL_COMPACT, SCORE_MODES, H2OConfig
 from ..integration.factory import make_h2o_cache
 from ..integration.generate import generate
 from ..integration.stats import cache_stats
@@ -44,6 +44,10 @@ def add_h2o_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--h2o-prefill-pool", type=int, default=None,
                        help="Max-pool such a chunk's scores over neighbouring positions "
                        f"(default: {_DEFAULTS['prefill_pool']})")
+    group.add_argument("--h2o-prefill-compact", choices=PREFILL_COMPACT, default=None,
+                       help="Compact an overflowing prompt after each prefill chunk "
+                       "('chunk') or once, at the first decode step, scored by the last "
+                       f"chunk ('prompt'; default: {_DEFAULTS['prefill_compact']})")
     group.add_argument("--h2o-kv-bits", type=int, choices=(4, 8), default=None,
                        help="Quantize the kept K/V (QuantizedH2OKVCache)")
     group.add_argument("--h2o-kv-group-size", type=int, choices=(32, 64, 128), default=64,
@@ -71,7 +75,8 @@ def h2o_config_from_args(args) -> Optional[H2OConfig]:
     if args.no_h2o:
         return None
     options = dict(score=args.h2o_score, prefill_window=args.h2o_prefill_window,
-                   prefill_pool=args.h2o_prefill_pool)
+                   prefill_pool=args.h2o_prefill_pool,
+                   prefill_compact=args.h2o_prefill_compact)
     return H2OConfig(
         max_size=args.h2o_max_size, sink_size=args.h2o_sink_size,
         heavy_budget=args.h2o_heavy_budget, recent_budget=args.h2o_recent_budget,

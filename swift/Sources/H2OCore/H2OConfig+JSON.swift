@@ -8,7 +8,14 @@ extension H2OConfig {
     /// Builds a config from `config_to_dict` keys (`max_size`, `sink_size`,
     /// `heavy_budget`, `recent_budget`, `score`, `ema_alpha`, `pinned`, `step`,
     /// `prefill_window`, `prefill_pool`); missing keys take the defaults.
+    /// `prefill_compact` (Python writes it only when not "chunk") must be "chunk":
+    /// the Swift cache compacts every prefill chunk that overflows the budget.
     public init(dictionary d: [String: Any]) throws {
+        if let compact = d["prefill_compact"], compact as? String != "chunk" {
+            throw H2OConfigError(
+                "prefill_compact=\(compact) is not supported by the Swift port; it compacts "
+                    + "each prefill chunk that overflows the budget ('chunk')")
+        }
         func int(_ key: String) throws -> Int? {
             guard let v = d[key], !(v is NSNull) else { return nil }
             if let i = v as? Int { return i }  // an NSNumber holding 8.5 does not bridge

@@ -39,7 +39,7 @@ struct ConfigTests {
         #expect(pinned.pinnedCount == 4)
     }
 
-    @Test("rejects a bad window, a bad pinned pair, an unknown mode")
+    @Test("rejects a bad window, a bad pinned pair, an unknown mode, prompt compaction")
     func rejects() throws {
         #expect(throws: H2OConfigError("window_size must be >= 1, got 0")) {
             try SlotLedger(config: H2OConfig(maxSize: 8), windowSize: 0)
@@ -48,6 +48,12 @@ struct ConfigTests {
             try pinnedRanges([[5, 2]])
         }
         #expect(throws: H2OConfigError.self) { try ScoreMode(name: "sum") }
+        // Python's prefill_compact="prompt" is not ported; "chunk" is the Swift behaviour.
+        #expect(throws: H2OConfigError.self) {
+            try H2OConfig(dictionary: ["max_size": 8, "prefill_compact": "prompt"])
+        }
+        #expect(try H2OConfig(dictionary: ["max_size": 8, "prefill_compact": "chunk"])
+            == H2OConfig(maxSize: 8))
         #expect(try ScoreMode(name: "attention_ema") == .attentionEma)
     }
 }
