@@ -220,6 +220,21 @@ def layer_caches(context, budget):
     }
 
 
+def prefill_layer(c, context, heads=(32, 8), D=128, dt=mx.bfloat16):
+    """One layer's cache filled with `context` random tokens in 512-token chunks
+    through the routed attention (routing must be on)."""
+    from mlx_h2o.integration.routing import scaled_dot_product_attention as sdpa
+    (Hq, Hk), scale = heads, D ** -0.5
+    for s in range(0, context, 512):
+        L = min(512, context - s)
+        k = mx.random.normal((1, Hk, L, D)).astype(dt)
+        kk, vv = c.update_and_fetch(k, k)
+        out = sdpa(mx.random.normal((1, Hq, L, D)).astype(dt), kk, vv, c, scale=scale,
+                   mask="causal")
+        mx.eval(out, live_arrays(c))
+    return c
+
+
 def layer_costs(context, budget, steps=300, rounds=5):
     """One attention layer's decode step alone (cache update + attention; Qwen3-8B
     heads, bf16): host build us and pipelined us per step, round-robin."""
@@ -233,15 +248,7 @@ def layer_costs(context, budget, steps=300, rounds=5):
     caches = {}
     with mlx_h2o.patch():
         for name, make in layer_caches(context, budget).items():
-            c = make()
-            for s in range(0, context, 512):
-                L = min(512, context - s)
-                k = mx.random.normal((B, Hk, L, D)).astype(dt)
-                kk, vv = c.update_and_fetch(k, k)
-                out = sdpa(mx.random.normal((B, Hq, L, D)).astype(dt), kk, vv, c, scale=scale,
-                           mask="causal")
-                mx.eval(out, live_arrays(c))
-            caches[name] = c
+            caches[name] = prefill_layer(make(), context)
         res = {n: ([], []) for n in caches}
         for r in range(rounds):
             for name, c in caches.items():

@@ -21,28 +21,16 @@ import mlx_h2o  # noqa: E402
 from mlx_h2o import H2OConfig, H2OKVCache  # noqa: E402
 from mlx_h2o.integration.routing import scaled_dot_product_attention as sdpa  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
+from gpu_decode_profile import per_call, prefill_layer  # noqa: E402
+
 B, HQ, HK, D, DT = 1, 32, 8, 128, mx.bfloat16
 
 
-def per_call(fn, n=1000):
-    fn()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t) / n * 1e6
-
-
 def filled(cfg, context):
-    c = H2OKVCache(cfg)
     scale = D ** -0.5
     with mlx_h2o.patch():
-        for s in range(0, context, 512):
-            L = min(512, context - s)
-            k = mx.random.normal((B, HK, L, D)).astype(DT)
-            kk, vv = c.update_and_fetch(k, k)
-            out = sdpa(mx.random.normal((B, HQ, L, D)).astype(DT), kk, vv, c, scale=scale,
-                       mask="causal")
-            mx.eval(out, c.positions, c.score, c.count, c.kv.keys, c.kv.values)
+        c = prefill_layer(H2OKVCache(cfg), context, (HQ, HK), D, DT)
         q = mx.random.normal((B, HQ, 1, D)).astype(DT)
         k = mx.random.normal((B, HK, 1, D)).astype(DT)
         for _ in range(3):
