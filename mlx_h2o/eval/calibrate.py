@@ -6,6 +6,8 @@ sizes are fixed before any evaluation sample is seen. Weights per statistic:
 
 - ``entropy``: exp(mean entropy) = the effective number of keys a query attends.
 - ``topk``: 1 - share of the accumulated attention held by the top 10% of keys.
+- ``invtopk``: that share itself: concentrated layers get more slots (the
+  opposite of PyramidKV's rule; measured better on SmolLM2, docs/RESULTS.md item 8).
 """
 
 import math
@@ -20,6 +22,7 @@ CALIBRATION = {"corpus": "austen", "num_samples": 4, "seq_len": 512, "seed": 123
 WEIGHTS = {
     "entropy": lambda row: math.exp(row["entropy"]),
     "topk": lambda row: 1.0 - row["topk_share"],
+    "invtopk": lambda row: 1.0 - round(1.0 - row["topk_share"], 6),  # as first run
 }
 _ROWS: dict[tuple, list[dict[str, Any]]] = {}  # calibration profiles by (model id, ...)
 

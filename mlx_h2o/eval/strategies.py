@@ -15,9 +15,9 @@ Any name takes overrides after a colon, ``name:key=value,key=value``: ``heavy``
 (a fraction of max_kv when < 1, else tokens), ``sink``, and any ``H2OConfig``
 field (``score=normalized``, ``ema_alpha=0.9``, ...). Score-mode shorthands:
 ``h2o-heavy-acc``, ``h2o-heavy-norm``, ``h2o-heavy-ema`` (any split).
-``layer_budget=entropy`` (or ``topk``) gives each layer its own max_size at the
-total memory of the uniform budget (``eval/calibrate.py``); such a strategy
-must be ``calibrated(model, tokenizer)`` before use.
+``layer_budget=entropy`` (or ``topk``, ``invtopk``) gives each layer its own
+max_size at the total memory of the uniform budget (``eval/calibrate.py``);
+such a strategy must be ``calibrated(model, tokenizer)`` before use.
 """
 
 import dataclasses
@@ -30,7 +30,7 @@ from ..config import H2OConfig, config_to_dict
 from ..integration.factory import make_h2o_cache
 
 SPLITS = {"recent": 1 / 8, "balanced": 1 / 4, "heavy": 1 / 2}
-LAYER_BUDGETS = ("entropy", "topk")  # keys of calibrate.WEIGHTS
+LAYER_BUDGETS = ("entropy", "topk", "invtopk")  # keys of calibrate.WEIGHTS
 SCORE_SHORT = {"acc": "accumulated", "norm": "normalized", "ema": "ema"}
 DEFAULT_STRATEGIES = ("baseline", "rotating", "h2o-recent", "h2o-balanced", "h2o-heavy")
 _CONFIG_FIELDS = {f.name: f.type for f in dataclasses.fields(H2OConfig)}
