@@ -1,6 +1,6 @@
 """H2O cache configuration."""
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, Optional, Tuple
 
 SCORE_MODES = ("ema", "accumulated", "normalized", "attention_ema")
@@ -171,6 +171,21 @@ def _check_pinned(pinned, heavy):
             "pinned tokens use heavy-hitter slots; raise heavy_budget"
         )
     return tuple(ranges)
+
+
+def with_max_size(config: H2OConfig, max_size: int) -> H2OConfig:
+    """``config`` at another ``max_size``: same sink, heavy and recent scaled by
+    the same factor (heavy rounded to nearest, recent gets the rest, >= 1)."""
+    _check_int("max_size", max_size, 1)
+    sink = config.sink_size
+    if max_size < sink + 2:
+        raise ValueError(
+            f"max_size={max_size} is below sink_size + 2 = {sink + 2}: a layer needs "
+            "its sinks plus at least one heavy and one recent slot"
+        )
+    rest, old = max_size - sink, config.max_size - sink
+    heavy = min(int(config.heavy_budget * rest / old + 0.5), rest - 1)
+    return replace(config, max_size=max_size, heavy_budget=heavy, recent_budget=rest - heavy)
 
 
 def config_to_dict(config: H2OConfig) -> Dict[str, Any]:

@@ -45,6 +45,7 @@ def main(argv=None) -> int:
     print(f"# mlx-h2o passkey  results={rdir.path}")
     print("# " + " ".join(f"{k}={v}" for k, v in config.items()))
     model, tokenizer = load_any(args.model)
+    strategies = [s.calibrated(model, tokenizer) for s in strategies]
     tic, rows, grids = time.perf_counter(), [], {}
     for ctx in args.contexts:
         prompts = make_prompts(tokenizer, [ctx], args.depths, args.trials, args.seed)

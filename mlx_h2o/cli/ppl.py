@@ -74,6 +74,7 @@ def main(argv=None) -> int:
     print("# " + " ".join(f"{k}={v}" for k, v in config.items()))
     print(f"# seq_len={args.seq_len} max_kv={args.max_kv} strategies={args.strategies}")
     model, tokenizer = load_any(args.model)
+    strategies = [s.calibrated(model, tokenizer) for s in strategies]
     data = load_data(tokenizer, args)
     tic = time.perf_counter()
     kw = dict(mode=args.mode, prefill=args.prefill, chunk=args.chunk,

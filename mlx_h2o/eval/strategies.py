@@ -15,6 +15,9 @@ Any name takes overrides after a colon, ``name:key=value,key=value``: ``heavy``
 (a fraction of max_kv when < 1, else tokens), ``sink``, and any ``H2OConfig``
 field (``score=normalized``, ``ema_alpha=0.9``, ...). Score-mode shorthands:
 ``h2o-heavy-acc``, ``h2o-heavy-norm``, ``h2o-heavy-ema`` (any split).
+``layer_budget=entropy`` (or ``topk``, ``invtopk``) gives each layer its own
+max_size at the total memory of the uniform budget (``eval/calibrate.py``);
+such a strategy must be ``calibrated(model, tokenizer)`` before use.
 """
 
 import dataclasses
@@ -27,6 +30,7 @@ from ..config import H2OConfig, config_to_dict
 from ..integration.factory import make_h2o_cache
 
 SPLITS = {"recent": 1 / 8, "balanced": 1 / 4, "heavy": 1 / 2}
+LAYER_BUDGETS = ("entropy", "topk", "invtopk")  # keys of calibrate.WEIGHTS
 SCORE_SHORT = {"acc": "accumulated", "norm": "normalized", "ema": "ema"}
 DEFAULT_STRATEGIES = ("baseline", "rotating", "h2o-recent", "h2o-balanced", "h2o-heavy")
 _CONFIG_FIELDS = {f.name: f.type for f in dataclasses.fields(H2OConfig)}
@@ -41,6 +45,9 @@ class Strategy:
     sink: int = 4
     heavy: float = None  # fraction of max_kv (< 1) or tokens; None: config default
     options: dict[str, Any] = field(default_factory=dict)
+    layer_budget: str = None  # None (uniform) or a statistic of calibrate.WEIGHTS
+    layer_weights: tuple = None  # set by calibrated()
+    layer_windows: tuple = None
 
     @property
     def bounded(self) -> bool:
@@ -53,12 +60,35 @@ class Strategy:
         opts = dict(self.options)
         return H2OConfig(max_size=max_kv, sink_size=self.sink, heavy_budget=heavy, **opts)
 
+    def calibrated(self, model, tokenizer) -> "Strategy":
+        """This strategy with its per-layer weights measured (no-op when uniform)."""
+        if self.layer_budget is None:
+            return self
+        from .calibrate import layer_weights, layer_windows
+
+        return dataclasses.replace(
+            self, layer_weights=layer_weights(model, tokenizer, self.layer_budget),
+            layer_windows=layer_windows(model),
+        )
+
+    def layer_sizes(self, max_kv: int) -> list[int] | None:
+        if self.layer_budget is None:
+            return None
+        if self.layer_weights is None:
+            raise ValueError(f"strategy {self.name!r}: call calibrated(model, tokenizer) first")
+        from .calibrate import layer_sizes
+
+        return layer_sizes(self.layer_weights, self.layer_windows, max_kv, self.sink)
+
     def describe(self, max_kv: int) -> dict[str, Any]:
         d = {"strategy": self.name, "kind": self.kind, "max_kv": max_kv}
         if self.kind == "rotating":
             d.update(sink=self.sink)
         elif self.kind == "h2o":
             d.update(config_to_dict(self.h2o_config(max_kv)))
+            if self.layer_budget is not None:
+                d.update(layer_budget=self.layer_budget, layer_sizes=self.layer_sizes(max_kv),
+                         layer_weights=list(self.layer_weights))
         return d
 
     def key(self, max_kv: int) -> str:
@@ -68,14 +98,18 @@ class Strategy:
             return self.name
         from .results import config_hash
 
-        return f"{self.name}-{config_hash(config_to_dict(self.h2o_config(max_kv)))[:6]}"
+        d = config_to_dict(self.h2o_config(max_kv))
+        if self.layer_budget is not None:
+            d["layer_sizes"] = self.layer_sizes(max_kv)
+        return f"{self.name}-{config_hash(d)[:6]}"
 
     def make_cache(self, model, max_kv: int) -> list[Any]:
         if self.kind == "baseline":
             return make_prompt_cache(model)
         if self.kind == "rotating":
             return rotating_cache(model, max_kv, self.sink)
-        return make_h2o_cache(model, self.h2o_config(max_kv))
+        return make_h2o_cache(model, self.h2o_config(max_kv),
+                              layer_sizes=self.layer_sizes(max_kv))
 
 
 def rotating_cache(model, max_kv: int, sink: int) -> list[Any]:
@@ -100,8 +134,9 @@ def parse_strategy(spec: str) -> Strategy:
     options = _parse_options(opts, spec)
     sink = int(options.pop("sink", 4))
     heavy = options.pop("heavy", None)
+    layer_budget = options.pop("layer_budget", None)
     if parts[0] in ("baseline", "rotating") and len(parts) == 1:
-        if options:
+        if options or layer_budget is not None:
             raise ValueError(f"strategy {spec!r}: {parts[0]} takes only sink=")
         return Strategy(spec, parts[0], sink=sink)
     if parts[0] != "h2o" or len(parts) > 3:
@@ -114,7 +149,10 @@ def parse_strategy(spec: str) -> Strategy:
             raise ValueError(f"strategy {spec!r}: split must be one of {sorted(SPLITS)}")
         heavy = SPLITS[rest[0]] if heavy is None else heavy
     heavy = None if heavy is None else float(heavy)
-    strategy = Strategy(spec, "h2o", sink=sink, heavy=heavy, options=options)
+    if layer_budget is not None and layer_budget not in LAYER_BUDGETS:
+        raise ValueError(f"strategy {spec!r}: layer_budget must be one of {LAYER_BUDGETS}")
+    strategy = Strategy(spec, "h2o", sink=sink, heavy=heavy, options=options,
+                        layer_budget=layer_budget)
     strategy.h2o_config(256)  # validate the options now, not mid-run
     return strategy
 
@@ -125,7 +163,7 @@ def _parse_options(opts: str, spec: str) -> dict[str, Any]:
         key, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"strategy {spec!r}: option {item!r} is not key=value")
-        if key not in ("sink", "heavy") and key not in _CONFIG_FIELDS:
+        if key not in ("sink", "heavy", "layer_budget") and key not in _CONFIG_FIELDS:
             raise ValueError(f"strategy {spec!r}: unknown option {key!r}")
         out[key] = _convert(value)
     return out

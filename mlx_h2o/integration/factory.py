@@ -1,13 +1,13 @@
 """Build H2O caches for an mlx-lm model."""
 
 import sys
-from typing import Any, List
+from typing import Any, List, Optional, Sequence
 
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..cache import H2OKVCache
-from ..config import H2OConfig
+from ..config import H2OConfig, with_max_size
 
 
 def model_name(model: nn.Module) -> str:
@@ -27,12 +27,20 @@ def check_supported(model: nn.Module) -> None:
         )
 
 
-def make_h2o_cache(model: nn.Module, config: H2OConfig, cache_type=H2OKVCache) -> List[Any]:
+def make_h2o_cache(
+    model: nn.Module,
+    config: H2OConfig,
+    cache_type=H2OKVCache,
+    layer_sizes: Optional[Sequence[int]] = None,
+) -> List[Any]:
     """The model's prompt cache with every attention cache replaced by an H2O one.
 
     Full-attention layers (``KVCache``) get ``cache_type(config)``; sliding
     window layers (``RotatingKVCache``) get one that respects the window.
     Other caches (SSM state, ...) are kept as the model made them.
+    ``layer_sizes``: one ``max_size`` per replaced (attention) layer, in layer
+    order; each layer gets ``with_max_size(config, size)`` (sink kept, heavy /
+    recent scaled in proportion). None: ``config.max_size`` everywhere.
     """
     if not isinstance(config, H2OConfig):
         raise TypeError(f"config must be an H2OConfig, got {type(config).__name__}")
@@ -41,16 +49,30 @@ def make_h2o_cache(model: nn.Module, config: H2OConfig, cache_type=H2OKVCache) -
         caches = model.make_cache()
     else:
         caches = [KVCache() for _ in model.layers]
-    name, replaced = model_name(model), 0
-    for i, c in enumerate(caches):
-        if type(c) is KVCache:
-            caches[i] = cache_type(config)
-        elif type(c) is RotatingKVCache:
-            caches[i] = cache_type(config, window_size=c.max_size)
-        else:
-            continue
-        caches[i].model_name = name
-        replaced += 1
-    if replaced == 0:
+    name = model_name(model)
+    layers = [i for i, c in enumerate(caches) if type(c) in (KVCache, RotatingKVCache)]
+    if not layers:
         raise ValueError(f"model {name!r} has no attention KV cache to replace")
+    for i, cfg in zip(layers, layer_configs(config, layer_sizes, len(layers))):
+        window = caches[i].max_size if type(caches[i]) is RotatingKVCache else None
+        caches[i] = cache_type(cfg, window_size=window)
+        caches[i].model_name = name
     return caches
+
+
+def layer_configs(config: H2OConfig, layer_sizes, n_layers: int) -> List[H2OConfig]:
+    if layer_sizes is None:
+        return [config] * n_layers
+    sizes = list(layer_sizes)
+    if len(sizes) != n_layers:
+        raise ValueError(
+            f"layer_sizes has {len(sizes)} entries but the model has {n_layers} "
+            "attention layers to replace"
+        )
+    out = []
+    for j, size in enumerate(sizes):
+        try:
+            out.append(with_max_size(config, size))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"layer_sizes[{j}]={size!r}: {e}") from None
+    return out
