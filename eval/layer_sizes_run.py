@@ -1,4 +1,4 @@
-"""Exploratory per-layer allocations (docs/RESULTS.md item 8), saved beside the
+"""Exploratory per-layer allocations (docs/RESULTS.md item 9), saved beside the
 SmolLM2 decode screen of the same seed (results/ppl/<dir>, same keys as the CLI).
 
     python eval/layer_sizes_run.py <seed> l012 invtopk
