@@ -337,10 +337,7 @@ class H2OKVCache:
             queries, keys, values, self.positions, self.score, self.count,
             slot, n - 1 if slot is None else None, self.offset, mask, sinks, valid=n,
         )
-        self.positions, self.score, self.count = res.positions, res.score, res.count
-        self._victim = res.victim if self._n >= self.max_size else None
-        self._slot, self._meta_pending = None, False
-        self._pending = False
+        self._take_step(res)
         return res.out
 
     def _fold_step(self, out, logits, lse):
@@ -351,10 +348,15 @@ class H2OKVCache:
             mode=cfg.score, alpha=cfg.ema_alpha, sink_size=cfg.sink_size,
             recent_budget=cfg.recent_budget, pinned=cfg.pinned, window_size=self.window_size,
         )
-        self.positions, self.score, self.count = res.positions, res.score, res.count
-        self._victim = res.victim if n >= self.max_size else None
-        self._slot, self._meta_pending, self._pending = None, False, False
+        self._take_step(res)
         return out
+
+    def _take_step(self, res):
+        """A GPU step's results (H2OStep or H2OFold): the state it wrote, and the
+        victim the next decode token goes to once the cache is full."""
+        self.positions, self.score, self.count = res.positions, res.score, res.count
+        self._victim = res.victim if self._n >= self.max_size else None
+        self._slot, self._meta_pending, self._pending = None, False, False
 
     def _compact(self):
         pri, pos = self._priority(self.offset)

@@ -15,7 +15,7 @@ biases kept, so it represents the same values it was written with.
 import mlx.core as mx
 
 from ..kernels.quantized import quantized_attention
-from .storage import put_slot, resize_slots, take_slots
+from .storage import resize_slots, take_slots
 
 Triple = tuple[mx.array, mx.array, mx.array]
 
@@ -99,16 +99,18 @@ class QuantizedKV:
         """Write one token per row at ``index`` (B, Hk, 1, 1): a fold step's victim,
         used as is by all six scatters (no per-array index reshapes: decode is
         host-bound, every graph node counts)."""
-        kq, vq = self.quantize(keys), self.quantize(values)
-        self.keys = tuple(mx.put_along_axis(a, index, x, axis=2) for a, x in zip(self.keys, kq))
-        self.values = tuple(
-            mx.put_along_axis(a, index, x, axis=2) for a, x in zip(self.values, vq)
-        )
+        self._put_index(index, self.quantize(keys), self.quantize(values))
 
     def put(self, slot: mx.array, keys: Triple, values: Triple):
         """Write already-quantized (B, Hk, 1, ·) triples into slot (B, Hk, 1)."""
-        self.keys = tuple(put_slot(a, slot, x) for a, x in zip(self.keys, keys))
-        self.values = tuple(put_slot(a, slot, x) for a, x in zip(self.values, values))
+        self._put_index(slot[..., None], keys, values)
+
+    def _put_index(self, index: mx.array, keys: Triple, values: Triple):
+        """Scatter triples at ``index`` (B, Hk, 1, 1), broadcast along the last axis."""
+        self.keys = tuple(mx.put_along_axis(a, index, x, axis=2) for a, x in zip(self.keys, keys))
+        self.values = tuple(
+            mx.put_along_axis(a, index, x, axis=2) for a, x in zip(self.values, values)
+        )
 
     def take(self, slots: mx.array, n: int) -> tuple[Triple, Triple]:
         """Triples of ``slots`` (B, Hk, k) among the first n slots."""

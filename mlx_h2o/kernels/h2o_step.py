@@ -40,6 +40,20 @@ def _no_slot() -> mx.array:
     return mx.zeros((1, 1), dtype=mx.int32)
 
 
+def step_params(offset, append_slot, tail, valid) -> mx.array:
+    """The kernels' prm_i: offset, append slot (-1: the token went to ``slot``),
+    then ``tail`` = (window or 0, sink_size, recent_budget), then the valid count."""
+    return mx.array([offset, -1 if append_slot is None else append_slot, *tail, valid],
+                    mx.int32)
+
+
+def _check_step_args(mode, slot, append_slot):
+    if mode not in SCORE_MODES:
+        raise ValueError(f"unknown score mode {mode!r}; use one of {SCORE_MODES}")
+    if (slot is None) == (append_slot is None):
+        raise ValueError("pass exactly one of slot and append_slot")
+
+
 def h2o_step_supported(q, k, v, positions, mask: Mask = None, sinks=None) -> bool:
     """Whether h2o_decode_step runs on this backend for these inputs."""
     if not supported(q, k, v, mask, sinks) or q.shape[2] != 1:
@@ -100,9 +114,7 @@ class StepPlan:
         cache passes its whole buffers, so shapes stay fixed and the compiled
         launch replays while the cache fills too."""
         valid = k.shape[2] if valid is None else valid
-        prm_i = mx.array(
-            [offset, -1 if append_slot is None else append_slot, *self.tail, valid], mx.int32
-        )
+        prm_i = step_params(offset, append_slot, self.tail, valid)
         slot = _no_slot() if slot is None else slot
         arrays = (q, k, v, positions, score, count, slot, prm_i)
         arrays += () if sinks is None else (sinks,)
@@ -202,12 +214,9 @@ def h2o_decode_step(
     outputs before the kernels run. The H2O cache calls ``step_plan`` directly
     to skip these checks on every step.
     """
-    if mode not in SCORE_MODES:
-        raise ValueError(f"unknown score mode {mode!r}; use one of {SCORE_MODES}")
+    _check_step_args(mode, slot, append_slot)
     if not h2o_step_supported(queries, keys, values, positions, mask, sinks):
         raise ValueError("h2o_decode_step: inputs not supported on this backend")
-    if (slot is None) == (append_slot is None):
-        raise ValueError("pass exactly one of slot and append_slot")
     if slot is not None and (slot.dtype != mx.int32 or slot.size != keys.shape[0] * keys.shape[1]
                              * (keys.shape[3] if slot.ndim == 4 else 1)):
         raise ValueError(
@@ -275,16 +284,12 @@ def h2o_fold_step(
     one launch. Arguments as h2o_decode_step; the token's slot gets position
     ``offset - 1`` and fresh scores before the fold. For caches whose
     attention cannot fold a GQA group itself (the quantized kernel)."""
-    if mode not in SCORE_MODES:
-        raise ValueError(f"unknown score mode {mode!r}; use one of {SCORE_MODES}")
+    _check_step_args(mode, slot, append_slot)
     if not fold_step_supported(logits, lse, positions):
         raise ValueError("h2o_fold_step: inputs not supported on this backend")
-    if (slot is None) == (append_slot is None):
-        raise ValueError("pass exactly one of slot and append_slot")
     B, Hq, _, N = logits.shape
     Hk, cap = positions.shape[1], positions.shape[2]
-    prm_i = mx.array([offset, -1 if append_slot is None else append_slot, window_size or 0,
-                      sink_size, recent_budget, N], mx.int32)
+    prm_i = step_params(offset, append_slot, (window_size or 0, sink_size, recent_budget), N)
     f32, i32 = mx.float32, mx.int32
     pos, sc, cn, victim = _make_fold_kernel()(
         inputs=[logits, lse, positions, score, count, _no_slot() if slot is None else slot,
