@@ -101,6 +101,13 @@ def unfused(cfg, model):
     return cache
 
 
+def eager(cfg, model):
+    cache = make_h2o_cache(model, cfg)
+    for c in cache:
+        c.defer_scores = False  # fold every decode step (the fused launch)
+    return cache
+
+
 def views(cfg, model):
     cache = make_h2o_cache(model, cfg)
     for c in cache:
@@ -116,6 +123,9 @@ def bench(model, context, budgets, steps, rounds, variants):
         "kvcache": lambda: [KVCache() for _ in range(n)],
         "h2o_no_evict": lambda: make_h2o_cache(model, H2OConfig(max_size=context + 4096)),
     }
+    if "eager" in variants:
+        strategies["h2o_no_evict_eager"] = lambda: eager(H2OConfig(max_size=context + 4096),
+                                                         model)
     for b in budgets:
         evict = H2OConfig(max_size=b, heavy_budget=b // 2)
         strategies[f"rotating_{b}"] = lambda b=b: [RotatingKVCache(max_size=b, keep=4)
@@ -167,9 +177,10 @@ def main():
     p.add_argument("--budgets", type=int, nargs="+", default=[256])
     p.add_argument("--steps", type=int, default=32, help="decode steps per round")
     p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--variants", nargs="*", default=[], choices=["unfused", "views", "quantized"],
+    p.add_argument("--variants", nargs="*", default=[],
+                   choices=["unfused", "views", "quantized", "eager"],
                    help="also time the op-by-op path / the fused step on fetched views / "
-                        "8- and 4-bit H2O caches")
+                        "8- and 4-bit H2O caches / no eviction folding every step")
     p.add_argument("--no-bench", action="store_true")
     p.add_argument("--no-check", action="store_true")
     args = p.parse_args()

@@ -122,7 +122,7 @@ def test_fused_path_matches_op_by_op_path(emulated_kernel, mode, window, trim_at
     # Fill by appends, overflow with a chunk (compaction), decode, another chunk, decode.
     lengths = [5] + [1] * 10 + [9] + [1] * 15 + [6] + [1] * 20
     fused, plain = H2OKVCache(cfg, window), H2OKVCache(cfg, window)
-    plain.use_fused_step = False
+    plain.use_fused_step = plain.defer_scores = False  # per-step op-by-op reference
     for a, b in zip(drive(fused, lengths, 0, trim_at), drive(plain, lengths, 0, trim_at)):
         np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-6)
     assert (fused.offset, fused.evicted, fused.size()) == (plain.offset, plain.evicted, plain.size())
@@ -133,8 +133,18 @@ def test_fused_path_matches_op_by_op_path(emulated_kernel, mode, window, trim_at
 def test_fused_path_is_taken(emulated_kernel):
     CALLS.clear()
     cache = H2OKVCache(H2OConfig(max_size=8))
+    cache.defer_scores = False
     drive(cache, [4, 1, 1, 1, 1, 1, 1], 1)
     assert len(CALLS) == 6  # every decode step, none for the chunk
+
+
+def test_deferred_steps_skip_the_fused_launch(emulated_kernel):
+    CALLS.clear()
+    cache = H2OKVCache(H2OConfig(max_size=8))
+    drive(cache, [4, 1, 1, 1, 1, 1, 1], 1)
+    # Slots 5..8 fill without eviction (SDPA, scores queued); the fifth decode
+    # step evicts (op-by-op victim), the sixth runs on the victim the fused step picked.
+    assert len(CALLS) == 2
 
 
 @pytest.mark.parametrize("window", [None, 7])

@@ -10,6 +10,7 @@ from .. import policy
 from ..config import H2OConfig, config_from_dict, config_to_dict
 from ..kernels import fold_step_supported, gpu_backend, h2o_fold_step, h2o_step_supported
 from ..kernels import make_plan
+from .deferred import DEFERRABLE, ScoreQueue, batch_logits
 from .storage import DenseKV, put_slot, resize_slots, take_slots
 
 NO_SCORES = (
@@ -18,6 +19,22 @@ NO_SCORES = (
     "through mlx_lm.models.base.scaled_dot_product_attention, or routing is "
     "off: wrap the forward pass in `with mlx_h2o.patch():`{model}."
 )
+
+
+def _folded(name):
+    """Slot metadata read through this property is up to date: queued decode
+    queries (``defer_scores``) are folded first."""
+    attr = "_" + name
+
+    def get(self):
+        if self._queue.items:
+            self._fold_queue()
+        return getattr(self, attr)
+
+    def put(self, value):
+        setattr(self, attr, value)
+
+    return property(get, put)
 
 
 class H2OKVCache:
@@ -43,6 +60,15 @@ class H2OKVCache:
     # fold their scores and pick the next victim in one GPU launch
     # (kernels.h2o_fold_step); subclasses that move tokens on eviction opt out.
     fold_on_gpu = True
+    # Decode steps that evict nothing attend with MLX's SDPA and fold their
+    # scores in batches of ``defer_steps`` (cache/deferred.py): no custom
+    # launch and no metadata writes per step while the cache fills.
+    defer_scores = True
+    defer_steps = 32
+
+    positions = _folded("positions")  # (B, Hk, cap) int32 token position per slot
+    score = _folded("score")  # (B, Hk, cap) float32 accumulated score
+    count = _folded("count")  # (B, Hk, cap) float32 queries that saw the slot
 
     def __init__(self, config: H2OConfig, window_size: Optional[int] = None):
         if not isinstance(config, H2OConfig):
@@ -51,6 +77,8 @@ class H2OKVCache:
             raise ValueError(f"window_size must be >= 1, got {window_size}")
         self.config = config
         self.window_size = window_size
+        self._queue = ScoreQueue(self.defer_steps)
+        self._lazy = False  # this decode step's scores go to the queue
         self.kv = self.storage_cls()
         self.positions = self.score = self.count = None
         self.offset = 0  # tokens seen
@@ -89,8 +117,10 @@ class H2OKVCache:
             self._slot = self._write_into_victim(keys, values)
         else:
             # A decode token's position and scores wait for its attention: the
-            # fused step writes them itself (three slice updates saved).
-            defer = L == 1 and (self._may_fuse() or self._may_fold())
+            # fused step writes them itself (three slice updates saved), or the
+            # score queue does.
+            self._lazy = L == 1 and self._may_defer()
+            defer = L == 1 and (self._lazy or self._may_fuse() or self._may_fold())
             self._append(keys, values, meta=not defer)
             self._meta_pending = defer
         self._victim = None
@@ -100,6 +130,9 @@ class H2OKVCache:
 
     def h2o_attention(self, queries, keys, values, *, scale, mask=None, sinks=None):
         """Attention over the fetched keys/values that folds in this step's scores."""
+        lazy, self._lazy = self._lazy, False
+        if lazy and mask is None and sinks is None:
+            return self._deferred_attention(queries, keys, values, scale)
         plan = self._fused_plan(queries, keys, values, scale, mask, sinks)
         if plan is not None:
             return self._fused_step(plan, queries, keys, values, mask, sinks)
@@ -150,13 +183,13 @@ class H2OKVCache:
         return self._n
 
     def empty(self) -> bool:
-        return self.positions is None
+        return self._positions is None
 
     @property
     def nbytes(self) -> int:
-        if self.positions is None:
+        if self._positions is None:
             return 0
-        meta = (self.positions, self.score, self.count)
+        meta = (self._positions, self._score, self._count)
         return self.kv.nbytes + sum(a.nbytes for a in meta)
 
     def is_trimmable(self) -> bool:
@@ -164,6 +197,8 @@ class H2OKVCache:
 
     def trim(self, n: int) -> int:
         """Drop the newest n tokens; after eviction only the recent window can go."""
+        if self._queue.items:
+            self._fold_queue()  # their queries attended the tokens that stay
         self._victim = None
         limit = self.offset
         if self.evicted:
@@ -202,6 +237,7 @@ class H2OKVCache:
     @state.setter
     def state(self, v):
         self._victim, self._slot, self._meta_pending = None, None, False
+        self._queue.take()
         if not v:
             self.kv = self.storage_cls()
             self.positions = self.score = self.count = None
@@ -291,6 +327,40 @@ class H2OKVCache:
         self.score = put_slot(self.score, slot, zero)
         self.count = put_slot(self.count, slot, zero)
         self._meta_pending = False
+
+    # --- deferred scores (cache/deferred.py) ------------------------------------
+    def set_fold_phase(self, phase: int) -> None:
+        """Stagger this layer's batched score folds (make_h2o_cache: layer index)."""
+        self._queue = ScoreQueue(self.defer_steps, phase)
+
+    def _may_defer(self) -> bool:
+        # Sliding-window layers mask by position and EMA modes are not sums:
+        # both keep the per-step fold.
+        return (self.defer_scores and self.window_size is None
+                and self.config.score in DEFERRABLE and type(self.kv) is DenseKV)
+
+    def _deferred_attention(self, queries, keys, values, scale):
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
+        due = self._queue.push(queries, self._n, self.offset - 1, scale)
+        self._meta_pending = self._pending = False  # the queue owns them now
+        if due:
+            self._fold_queue()
+        return out
+
+    def _fold_queue(self):
+        """Fold the queued decode queries' scores and write their tokens' metadata."""
+        items = self._queue.take()
+        first, n, cfg = items[0].n - 1, items[-1].n, self.config
+        # Queued tokens are consecutive: anything else folds the queue first.
+        self._positions[..., first:n] = mx.arange(items[0].position, items[0].position + n - first)
+        self._score[..., first:n] = 0.0
+        self._count[..., first:n] = 0.0
+        logits, lse = batch_logits(items, self.kv.keys[..., :n, :])
+        score, count = policy.fold_scores(
+            cfg.score, self._score[..., :n], self._count[..., :n], logits, lse
+        )
+        self._score[..., :n] = score
+        self._count[..., :n] = count
 
     # --- fused GPU decode step ---------------------------------------------------
     def _may_fold(self) -> bool:

@@ -57,6 +57,7 @@ def make_h2o_cache(
         window = caches[i].max_size if type(caches[i]) is RotatingKVCache else None
         caches[i] = cache_type(cfg, window_size=window)
         caches[i].model_name = name
+        caches[i].set_fold_phase(len(layers) - 1 - layers.index(i))  # layers fold apart
     return caches
 
 

@@ -1,0 +1,75 @@
+"""Deferred score folding for decode steps that evict nothing.
+
+While a cache is below ``max_size`` no decision reads its scores, so a decode
+step can attend with MLX's own SDPA (no score export, no custom launch) and
+keep its queries; their scores are folded in one batched pass every few steps,
+or as soon as anything reads the cache's metadata. For summed scores
+(``accumulated``, ``normalized``) the batched fold equals the per-step folds
+up to float summation order: keys are only appended meanwhile, and each query
+is masked to the keys that existed at its step.
+"""
+
+from typing import List, NamedTuple, Tuple
+
+import mlx.core as mx
+
+# Score modes whose fold is a plain sum over queries (EMA modes are not).
+DEFERRABLE = ("accumulated", "normalized")
+# float32 logits of one batched fold at most (64 MiB); longer caches fold sooner.
+MAX_LOGITS = 1 << 24
+
+
+class QueuedQuery(NamedTuple):
+    queries: mx.array  # (B, n_heads, 1, D)
+    n: int  # slots visible to it (its own token is slot n - 1)
+    position: int  # its token's position
+    scale: float
+
+
+class ScoreQueue:
+    """Decode queries whose scores are not folded yet, oldest first.
+
+    ``steps``: fold after this many queries; ``phase`` (e.g. the layer index)
+    makes the first fold come ``phase % steps`` queries early, so the layers of
+    a model fold on different decode steps (bounded transient memory, no
+    periodic slow token).
+    """
+
+    def __init__(self, steps: int, phase: int = 0):
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        self.steps = steps
+        self._head_start = phase % steps
+        self.items: List[QueuedQuery] = []
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def push(self, queries: mx.array, n: int, position: int, scale: float) -> bool:
+        """Queue one decode query; True when the queue should be folded now."""
+        self.items.append(QueuedQuery(queries, n, position, scale))
+        B, Hq = queries.shape[:2]
+        limit = max(1, min(self.steps, MAX_LOGITS // (B * Hq * n)))
+        return len(self.items) + self._head_start >= limit
+
+    def take(self) -> List[QueuedQuery]:
+        items, self.items, self._head_start = self.items, [], 0
+        return items
+
+
+def batch_logits(items: List[QueuedQuery], keys: mx.array) -> Tuple[mx.array, mx.array]:
+    """float32 logits (B, n_heads, T, n) and lse (B, n_heads, T) of the queued
+    queries over ``keys`` (B, n_kv_heads, n, D); query t sees slots < items[t].n.
+
+    Computed as the reference attention computes them: in float32 (float16 /
+    bfloat16 values are exact in TF32 too), logits = (q . k) * scale.
+    """
+    q = mx.concatenate([it.queries for it in items], axis=2)
+    B, Hq, T, D = q.shape
+    Hk, n = keys.shape[1], keys.shape[2]
+    G = Hq // Hk
+    q = q.astype(mx.float32).reshape(B, Hk, G * T, D)
+    logits = (q @ keys.astype(mx.float32).swapaxes(-1, -2)) * items[0].scale
+    visible = mx.arange(n)[None] < mx.array([it.n for it in items])[:, None]  # (T, n)
+    logits = mx.where(visible, logits.reshape(B, Hq, T, n), -mx.inf)
+    return logits, mx.logsumexp(logits, axis=-1)
