@@ -216,8 +216,14 @@ def layer_caches(context, budget):
         "rotating": lambda: RotatingKVCache(max_size=budget, keep=4),
         "h2o_evict": lambda: H2OKVCache(evict),
         "h2o_no_evict": lambda: H2OKVCache(H2OConfig(max_size=context + 4096)),
+        "h2o_no_evict_eager": lambda: _eager(H2OKVCache(H2OConfig(max_size=context + 4096))),
         "h2o_evict_q8": lambda: quantized_cache_type(QuantConfig(8, 64))(evict),
     }
+
+
+def _eager(cache):
+    cache.defer_scores = False  # fold every decode step (the fused launch)
+    return cache
 
 
 def prefill_layer(c, context, heads=(32, 8), D=128, dt=mx.bfloat16):
