@@ -64,7 +64,7 @@ class H2OKVCache:
     # scores in batches of ``defer_steps`` (cache/deferred.py): no custom
     # launch and no metadata writes per step while the cache fills.
     defer_scores = True
-    defer_steps = 32
+    defer_steps = 128
 
     positions = _folded("positions")  # (B, Hk, cap) int32 token position per slot
     score = _folded("score")  # (B, Hk, cap) float32 accumulated score
@@ -211,8 +211,11 @@ class H2OKVCache:
             pos = self.positions[..., : self._n]
             slots = mx.argsort(mx.where(pos < self.offset - n, pos, 2**31 - 1))
             self._gather(slots[..., : self._n - n])
-        else:
+        elif n:
             self._n -= n  # slots are in token order until the first eviction
+            # Freed slots get fresh scores: queued tokens refill them unzeroed.
+            self.score[..., self._n : self._n + n] = 0.0
+            self.count[..., self._n : self._n + n] = 0.0
         self.offset -= n
         self._pending = False
         return n
@@ -351,10 +354,9 @@ class H2OKVCache:
         """Fold the queued decode queries' scores and write their tokens' metadata."""
         items = self._queue.take()
         first, n, cfg = items[0].n - 1, items[-1].n, self.config
-        # Queued tokens are consecutive: anything else folds the queue first.
+        # Queued tokens are consecutive (anything else folds the queue first);
+        # their slots' scores are zero (fresh buffer, or zeroed by trim).
         self._positions[..., first:n] = mx.arange(items[0].position, items[0].position + n - first)
-        self._score[..., first:n] = 0.0
-        self._count[..., first:n] = 0.0
         logits, lse = batch_logits(items, self.kv.keys[..., :n, :])
         score, count = policy.fold_scores(
             cfg.score, self._score[..., :n], self._count[..., :n], logits, lse
