@@ -10,7 +10,7 @@ from .. import policy
 from ..config import H2OConfig, config_from_dict, config_to_dict
 from ..kernels import fold_step_supported, gpu_backend, h2o_fold_step, h2o_step_supported
 from ..kernels import make_plan
-from .deferred import DEFERRABLE, ScoreQueue, batch_logits
+from .deferred import DEFERRABLE, ScoreQueue, batch_fold
 from .storage import DenseKV, put_slot, resize_slots, take_slots
 
 NO_SCORES = (
@@ -353,16 +353,13 @@ class H2OKVCache:
     def _fold_queue(self):
         """Fold the queued decode queries' scores and write their tokens' metadata."""
         items = self._queue.take()
-        first, n, cfg = items[0].n - 1, items[-1].n, self.config
+        first, n = items[0].n - 1, items[-1].n
         # Queued tokens are consecutive (anything else folds the queue first);
         # their slots' scores are zero (fresh buffer, or zeroed by trim).
         self._positions[..., first:n] = mx.arange(items[0].position, items[0].position + n - first)
-        logits, lse = batch_logits(items, self.kv.keys[..., :n, :])
-        score, count = policy.fold_scores(
-            cfg.score, self._score[..., :n], self._count[..., :n], logits, lse
-        )
-        self._score[..., :n] = score
-        self._count[..., :n] = count
+        step, seen = batch_fold(items, self.kv.keys[..., :n, :])
+        self._score[..., :n] = self._score[..., :n] + step
+        self._count[..., :n] = self._count[..., :n] + seen
 
     # --- fused GPU decode step ---------------------------------------------------
     def _may_fold(self) -> bool:
