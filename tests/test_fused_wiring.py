@@ -191,3 +191,28 @@ def test_fold_step_path_matches_op_by_op_path(emulated_fold_kernel, mode, window
     assert folded._victim is not None  # the last steps carried the fold's victim
     for x, y in zip(folded.state, plain.state):
         np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-6)
+
+
+def test_masked_fused_step_after_deferred_steps(emulated_kernel):
+    """Decode steps below the budget queue their scores; a step with an array
+    mask or sinks takes the fused path, which must see them folded first."""
+    cfg = H2OConfig(max_size=16, sink_size=2, heavy_budget=5)
+    fused, plain = H2OKVCache(cfg), H2OKVCache(cfg)
+    plain.use_fused_step = plain.defer_scores = False
+    rngs = [np.random.default_rng(8), np.random.default_rng(8)]
+    for i, L in enumerate([4] + [1] * 24):
+        for cache, rng in zip((fused, plain), rngs):
+            q, k, v = (mx.array(rng.standard_normal((2, h, L, D)).astype(np.float32))
+                       for h in (HQ, HK, HK))
+            mask, sinks = cache.make_mask(L), None
+            if i == 5:  # an all-True array mask: same result as none
+                mask = mx.ones((1, 1, 1, cache.size() + 1), mx.bool_)
+            if i in (7, 12):  # sinks: not deferred; the second reuses the plan and fills
+                sinks = mx.full((HQ,), -1.0)
+            keys, values = cache.update_and_fetch(k, v)
+            out = cache.h2o_attention(q, keys, values, scale=1.0, mask=mask, sinks=sinks)
+            cache.last = np.array(out)
+        np.testing.assert_allclose(fused.last, plain.last, rtol=1e-5, atol=1e-5)
+    assert fused.evicted == plain.evicted > 0
+    for x, y in zip(fused.state, plain.state):
+        np.testing.assert_allclose(np.array(x), np.array(y), rtol=1e-5, atol=1e-6)

@@ -133,6 +133,8 @@ class H2OKVCache:
         lazy, self._lazy = self._lazy, False
         if lazy and mask is None and sinks is None:
             return self._deferred_attention(queries, keys, values, scale)
+        if self._queue.items:
+            self._fold_queue()  # what follows reads the metadata (backing fields)
         plan = self._fused_plan(queries, keys, values, scale, mask, sinks)
         if plan is not None:
             return self._fused_step(plan, queries, keys, values, mask, sinks)
@@ -380,10 +382,10 @@ class H2OKVCache:
         # buffers' capacity included): decided once per signature, one lookup
         # per step (host time is what a decode step costs, docs/GPU.md).
         key = (mx.default_device(), queries.shape, queries.dtype, keys.dtype, values.dtype,
-               values.shape[3], self.positions.shape, scale,
+               values.shape[3], self._positions.shape, scale,
                None if sinks is None else sinks.shape)
         if key != self._plan_key:
-            ok = h2o_step_supported(queries, keys, values, self.positions, None, sinks)
+            ok = h2o_step_supported(queries, keys, values, self._positions, None, sinks)
             self._plan = self._make_plan(queries, keys, scale, None, sinks) if ok else None
             self._plan_key = key
         return self._plan
@@ -403,7 +405,7 @@ class H2OKVCache:
             # grow, so the plan's compiled launch replays on every other step.
             keys, values = self.kv.keys, self.kv.values
         res = plan(
-            queries, keys, values, self.positions, self.score, self.count,
+            queries, keys, values, self._positions, self._score, self._count,
             slot, n - 1 if slot is None else None, self.offset, mask, sinks, valid=n,
         )
         self._take_step(res)
@@ -423,7 +425,7 @@ class H2OKVCache:
     def _take_step(self, res):
         """A GPU step's results (H2OStep or H2OFold): the state it wrote, and the
         victim the next decode token goes to once the cache is full."""
-        self.positions, self.score, self.count = res.positions, res.score, res.count
+        self._positions, self._score, self._count = res.positions, res.score, res.count
         self._victim = res.victim if self._n >= self.max_size else None
         self._slot, self._meta_pending, self._pending = None, False, False
 
