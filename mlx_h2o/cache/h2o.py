@@ -141,14 +141,12 @@ class H2OKVCache:
         L = queries.shape[2]
         if self._meta_pending and self.window_size is not None:
             self._write_pending_meta()  # the window mask reads the new token's position
-        out, logits, lse = self.kv.attention(
-            queries, keys, values, scale=scale, mask=self._mask(L, mask), sinks=sinks
-        )
+        out, logits, lse = self._attention(queries, keys, values, scale, self._mask(L, mask), sinks)
         if L == 1 and self.fold_on_gpu and fold_step_supported(logits, lse, self.positions):
             return self._fold_step(out, logits, lse)  # the kernel writes the metadata
         if self._meta_pending:
             self._write_pending_meta()
-        self._fold_ops(logits, lse)
+        self._fold_ops(logits, lse, L)
         if L > 1:
             # A chunk's (L, N) logits are large: finish this layer before the next
             # builds its own, or every layer's logits stay alive at once (a 2K
@@ -156,13 +154,36 @@ class H2OKVCache:
             mx.eval(out, self.score, self.count, self.positions)
         return out
 
-    def _fold_ops(self, logits, lse):
-        """Fold this step's scores op by op, then compact a chunk that overflowed."""
+    def _attention(self, queries, keys, values, scale, mask, sinks):
+        """(out, logits, lse); logits / lse of the rows that will be folded only."""
+        W = self.config.prefill_window
+        if not self._scored_by_window(queries.shape[2]):
+            return self.kv.attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        # Only the window's scores are folded: MLX's SDPA attends the whole
+        # chunk, and logits come for the last W queries alone (a 2K chunk's
+        # float32 logits were ~1 GB per layer for an 8B model).
+        out = mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        _, logits, lse = self.kv.attention(queries[:, :, -W:], keys, values, scale=scale,
+                                           mask=_last_rows(mask, W), sinks=sinks)
+        return out, logits, lse
+
+    def _scored_by_window(self, L) -> bool:
+        """A chunk that overflows is scored by its last ``prefill_window`` queries
+        (dense global layers; W > 1 so that neighbour pooling applies as before)."""
+        W = self.config.prefill_window
+        return (L > W > 1 and self._n > self.max_size and self.window_size is None
+                and type(self.kv) is DenseKV)
+
+    def _fold_ops(self, logits, lse, L):
+        """Fold this step's scores op by op, then compact a chunk that overflowed.
+
+        ``L``: the call's query count (``logits`` may hold only its window)."""
         n, cfg = self._n, self.config
         # Only a chunk that overflows the budget is scored by its window (SnapKV).
         over = n > self.max_size
         score, count = self.score[..., :n], self.count[..., :n]
-        if over and self._replaces_window(logits.shape[2]):
+        if over and self._replaces_window(L):
             score, count = mx.zeros_like(score), mx.zeros_like(count)
         score, count = policy.fold_scores(
             cfg.score, score, count, logits, lse,
@@ -461,3 +482,10 @@ class H2OKVCache:
         q = mx.arange(self.offset - L, self.offset)[:, None]  # (L, 1)
         k = self.positions[..., None, : self._n]  # (B, Hk, 1, n)
         return (k <= q) & (k > q - self.window_size)  # (B, Hk, L, n)
+
+
+def _last_rows(mask, W: int):
+    """The mask of a call's last W queries (mlx-lm's "causal" is bottom-right aligned)."""
+    if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] > 1:
+        return mask[..., -W:, :]
+    return mask

@@ -1,0 +1,93 @@
+"""A chunk that overflows is attended by MLX's SDPA and scored by its window only.
+
+Against the path that computes every row's logits with the reference
+attention: same kept positions and scores, outputs within float rounding.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_h2o import H2OConfig, H2OKVCache
+
+D, HQ, HK = 8, 4, 2
+
+
+def full_rows(cache):
+    cache._scored_by_window = lambda L: False  # every row through the reference
+    return cache
+
+
+def feed(caches, lengths, seed, mask_fn=None):
+    rngs = [np.random.default_rng(seed) for _ in caches]
+    outs = []
+    for L in lengths:
+        step = []
+        for c, rng in zip(caches, rngs):
+            q, k, v = (mx.array(rng.standard_normal((2, h, L, D)).astype(np.float32))
+                       for h in (HQ, HK, HK))
+            mask = c.make_mask(L) if mask_fn is None else mask_fn(c, L)
+            keys, values = c.update_and_fetch(k * 3, v)
+            step.append(np.array(c.h2o_attention(q, keys, values, scale=0.5, mask=mask)))
+        outs.append(step)
+    return outs
+
+
+def assert_same_state(a, b):
+    assert (a.offset, a.evicted, a.size()) == (b.offset, b.evicted, b.size())
+    n = a.size()
+    np.testing.assert_array_equal(np.array(a.positions[..., :n]), np.array(b.positions[..., :n]))
+    for x, y in ((a.score, b.score), (a.count, b.count)):
+        np.testing.assert_allclose(np.array(x[..., :n]), np.array(y[..., :n]),
+                                   rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["accumulated", "normalized", "ema"])
+@pytest.mark.parametrize("compact", ["chunk", "prompt"])
+def test_window_scoring_matches_full_rows(mode, compact):
+    cfg = H2OConfig(max_size=24, sink_size=2, heavy_budget=10, score=mode,
+                    prefill_window=5, prefill_pool=3, prefill_compact=compact)
+    fast, slow = H2OKVCache(cfg), full_rows(H2OKVCache(cfg))
+    for a, b in feed((fast, slow), [20, 17, 1, 1, 30, 1, 9, 1, 1], seed=3):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert_same_state(fast, slow)
+    assert fast.evicted > 0
+
+
+def test_window_scoring_with_an_array_mask():
+    cfg = H2OConfig(max_size=16, sink_size=2, heavy_budget=6, prefill_window=4)
+    fast, slow = H2OKVCache(cfg), full_rows(H2OKVCache(cfg))
+
+    def padded(c, L):  # mlx-lm's array mask form: (B, 1, L, N), first slot masked out
+        m = np.tril(np.ones((L, c.size() + L), bool), k=c.size())
+        m = np.broadcast_to(m, (2, 1, L, c.size() + L)).copy()
+        m[1, :, :, 0] = False
+        return mx.array(m)
+
+    for a, b in feed((fast, slow), [12, 10, 9], seed=4, mask_fn=padded):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert_same_state(fast, slow)
+
+
+def test_only_the_window_gets_logits(monkeypatch):
+    cfg = H2OConfig(max_size=16, prefill_window=6)
+    cache = H2OKVCache(cfg)
+    rows = []
+    real = cache.kv.attention
+
+    def spy(queries, *a, **k):
+        rows.append(queries.shape[2])
+        return real(queries, *a, **k)
+
+    monkeypatch.setattr(cache.kv, "attention", spy)
+    feed((cache,), [10, 40], seed=5)
+    assert rows == [10, 6]  # within budget: every row; overflowing: the window
+
+
+def test_window_layers_and_short_chunks_keep_every_row():
+    cfg = H2OConfig(max_size=16, prefill_window=6)
+    assert not H2OKVCache(cfg, window_size=8)._scored_by_window(40)
+    cache = H2OKVCache(H2OConfig(max_size=16, prefill_window=6, prefill_compact="prompt"))
+    feed((cache,), [20], seed=6)  # kept whole until the first decode step
+    assert cache.size() == 20
+    assert cache._scored_by_window(7) and not cache._scored_by_window(6)  # L == W: all rows
