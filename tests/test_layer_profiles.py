@@ -297,3 +297,29 @@ def test_per_layer_cache_round_trips_and_stats(tmp_path, monkeypatch):
 def test_profile_path_in_the_package_data():
     here = Path(mlx_h2o.__file__).parent / "profiles"
     assert sorted(p.stem for p in here.glob("*.json")) == sorted(PACKAGED_MODELS)
+
+
+def test_quantized_cache_type_takes_the_per_layer_sizes(tmp_path, monkeypatch):
+    from mlx_h2o.cache.quantized import QuantConfig, quantized_cache_type
+
+    model = as_packaged(tiny_llama(num_hidden_layers=3, head_dim=32), "tiny",
+                        [1.0, 3.0, 2.0], tmp_path, monkeypatch)
+    qt = quantized_cache_type(QuantConfig(bits=8, group_size=32))
+    cache = make_h2o_cache(model, H2OConfig(max_size=32, sink_size=2), qt)
+    assert [c.max_size for c in cache] == [16, 48, 32]
+    assert all(type(c).__name__ == "QuantizedH2OKVCache" for c in cache)
+    tokens = mx.random.randint(0, VOCAB, (1, 60), key=mx.random.key(3))
+    run(model, cache, tokens, 20)
+    assert [c.size() for c in cache] == [16, 48, 32]
+
+
+def test_generate_passes_the_layer_budget(tmp_path, monkeypatch):
+    from mlx_h2o.integration.generate import _h2o_cache
+
+    model = as_packaged(tiny_llama(num_hidden_layers=3), "tiny", [1.0, 3.0, 2.0],
+                        tmp_path, monkeypatch)
+    cfg = H2OConfig(max_size=32, sink_size=2)
+    kwargs = {"layer_budget": "uniform"}
+    assert [c.max_size for c in _h2o_cache(model, None, cfg, kwargs)] == [32] * 3
+    assert kwargs == {}  # not passed on to mlx-lm
+    assert [c.max_size for c in _h2o_cache(model, None, cfg, {})] == [16, 48, 32]
