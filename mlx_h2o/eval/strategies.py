@@ -24,6 +24,9 @@ strategy must be ``calibrated(model, tokenizer)`` before use (``uniform``
 excepted). Result keys name the resolved budget, not its spelling: ``h2o-heavy``
 on a packaged model and ``h2o-heavy:layer_budget=invtopk`` with the same sizes
 share a key; ``h2o-heavy:layer_budget=uniform`` keys as ``h2o-heavy`` did before.
+Quantized H2O (``QuantizedH2OKVCache``): ``kv_bits`` (4 or 8), ``kv_group_size``
+(32, 64 or 128; default 64) and ``kv_mixed=true`` (heavy hitters at 8 bits, the
+recent window at 4), e.g. ``h2o-heavy:kv_bits=8``, ``h2o-heavy:kv_mixed=true``.
 """
 
 import dataclasses
@@ -33,6 +36,7 @@ from typing import Any
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from ..budgets import layer_sizes
+from ..cache import QuantConfig, quantized_cache_type
 from ..config import H2OConfig, config_to_dict
 from ..integration.factory import attention_windows, make_h2o_cache, resolve_layer_profile
 from ..profiles import LayerProfile
@@ -43,6 +47,7 @@ LAYER_BUDGETS = ("auto", "uniform") + STATISTICS  # or a profile file (.json)
 SCORE_SHORT = {"acc": "accumulated", "norm": "normalized", "ema": "ema"}
 DEFAULT_STRATEGIES = ("baseline", "rotating", "h2o-recent", "h2o-balanced", "h2o-heavy")
 _CONFIG_FIELDS = {f.name: f.type for f in dataclasses.fields(H2OConfig)}
+_OWN_OPTIONS = ("sink", "heavy", "layer_budget", "kv_bits", "kv_group_size", "kv_mixed")
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,7 @@ class Strategy:
     layer_budget: str = "auto"  # LAYER_BUDGETS or a profile path
     profile: LayerProfile = None  # set by calibrated(); None: uniform
     layer_windows: tuple = None  # set by calibrated(): the model's attention windows
+    quant: QuantConfig = None  # quantized K/V (QuantizedH2OKVCache); None: dense
 
     @property
     def bounded(self) -> bool:
@@ -110,6 +116,8 @@ class Strategy:
             d.update(sink=self.sink)
         elif self.kind == "h2o":
             d.update(config_to_dict(self.h2o_config(max_kv)))
+            if self.quant is not None:
+                d.update(kv_quant=dataclasses.asdict(self.quant))
             if self.profile is not None:
                 d.update(layer_budget=self.profile.statistic,
                          layer_sizes=self.layer_sizes(max_kv),
@@ -128,6 +136,8 @@ class Strategy:
         sizes = self.layer_sizes(max_kv)
         if sizes is not None:
             d["layer_sizes"] = sizes
+        if self.quant is not None:
+            d["kv_quant"] = dataclasses.asdict(self.quant)
         return f"{self._canonical_name()}-{config_hash(d)[:6]}"
 
     def _canonical_name(self) -> str:
@@ -146,7 +156,8 @@ class Strategy:
             return make_prompt_cache(model)
         if self.kind == "rotating":
             return rotating_cache(model, max_kv, self.sink)
-        return make_h2o_cache(model, self.h2o_config(max_kv), **self.budget_kwargs(max_kv))
+        return make_h2o_cache(model, self.h2o_config(max_kv), quantized_cache_type(self.quant),
+                              **self.budget_kwargs(max_kv))
 
     def budget_kwargs(self, max_kv: int) -> dict[str, Any]:
         """``make_h2o_cache`` arguments for this strategy's resolved layer budget."""
@@ -177,8 +188,9 @@ def parse_strategy(spec: str) -> Strategy:
     sink = int(options.pop("sink", 4))
     heavy = options.pop("heavy", None)
     layer_budget = options.pop("layer_budget", None)
+    quant = _quant(options, spec)
     if parts[0] in ("baseline", "rotating") and len(parts) == 1:
-        if options or layer_budget is not None:
+        if options or layer_budget is not None or quant is not None:
             raise ValueError(f"strategy {spec!r}: {parts[0]} takes only sink=")
         return Strategy(spec, parts[0], sink=sink)
     if parts[0] != "h2o" or len(parts) > 3:
@@ -196,9 +208,23 @@ def parse_strategy(spec: str) -> Strategy:
         raise ValueError(f"strategy {spec!r}: layer_budget must be one of {LAYER_BUDGETS} "
                          "or a profile file (.json, from `mlx-h2o calibrate`)")
     strategy = Strategy(spec, "h2o", sink=sink, heavy=heavy, options=options,
-                        layer_budget=layer_budget)
+                        layer_budget=layer_budget, quant=quant)
     strategy.h2o_config(256)  # validate the options now, not mid-run
     return strategy
+
+
+def _quant(options: dict[str, Any], spec: str):
+    """Pop the K/V quantization options: a QuantConfig, or None (dense)."""
+    bits, group = options.pop("kv_bits", None), options.pop("kv_group_size", 64)
+    mixed = options.pop("kv_mixed", False)
+    if group != 64 and bits is None and not mixed:
+        raise ValueError(f"strategy {spec!r}: kv_group_size needs kv_bits= or kv_mixed=true")
+    if not isinstance(mixed, bool):
+        raise ValueError(f"strategy {spec!r}: kv_mixed must be true or false, got {mixed!r}")
+    try:
+        return QuantConfig.from_flags(bits, group, mixed)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"strategy {spec!r}: {e}") from None
 
 
 def _is_profile_path(value) -> bool:
@@ -211,7 +237,7 @@ def _parse_options(opts: str, spec: str) -> dict[str, Any]:
         key, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"strategy {spec!r}: option {item!r} is not key=value")
-        if key not in ("sink", "heavy", "layer_budget") and key not in _CONFIG_FIELDS:
+        if key not in _OWN_OPTIONS and key not in _CONFIG_FIELDS:
             raise ValueError(f"strategy {spec!r}: unknown option {key!r}")
         out[key] = _convert(value)
     return out
