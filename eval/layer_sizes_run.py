@@ -16,15 +16,19 @@ from mlx_h2o.eval.results import ResultsDir, DEFAULT_ROOT
 from mlx_h2o.eval.strategies import Strategy, parse_strategy
 from mlx_h2o.eval.calibrate import layer_weights
 from mlx_h2o.eval.ppl import sweep
+from mlx_h2o.profiles import LayerProfile
 args = setup_arg_parser().parse_args(["--model", "smollm2-135m", "--corpus", "austen", "-n", "30",
     "--seq-len", "512", "--max-kv", "256", "--seed", sys.argv[1]])
 rdir = ResultsDir(DEFAULT_ROOT, "ppl", run_config(args), ("model", "corpus", "mode"))
 model, tok = load_any(args.model)
 data = load_data(tok, args)
-base = parse_strategy("h2o-heavy")
+base = parse_strategy("h2o-heavy:layer_budget=uniform")  # the default of item 9
 def mk(name, w):
-    return Strategy(name, "h2o", sink=4, heavy=0.5, layer_budget=name.split("=")[1],
-                    layer_weights=tuple(w), layer_windows=(None,) * 30)
+    stat = name.split("=")[1]
+    profile = LayerProfile(statistic=stat, weights=tuple(w), attention_layers=30,
+                           windows=(None,) * 30, source=stat)
+    return Strategy(name, "h2o", sink=4, heavy=0.5, layer_budget=stat, profile=profile,
+                    layer_windows=(None,) * 30)
 topk = layer_weights(model, tok, "topk")
 cands = {
     "l012": mk("h2o-heavy:layer_budget=l012", [2.25] * 3 + [1.0] * 27),

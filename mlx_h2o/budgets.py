@@ -5,13 +5,49 @@ evicted; layers that attend to a few heavy hitters can keep fewer. Given one
 non-negative weight per layer (e.g. exp(entropy) = the effective number of
 attended keys, or 1 - top-k share), ``allocate_layer_sizes`` gives each layer
 a size proportional to its weight, clipped to [lo, hi], with the sum exactly
-``total`` (the memory of a uniform budget: max_kv x layers).
+``total`` (the memory of a uniform budget: max_kv x layers). ``layer_sizes``
+sets those bounds and that total for a model's attention layers at a budget.
+Pure functions: no mlx, no model.
 """
 
 import math
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 Bound = Union[int, Sequence[int]]
+SPREAD = 4.0  # a layer gets between max_kv / SPREAD and max_kv * SPREAD slots
+
+
+def layer_sizes(
+    weights: Sequence[float],
+    windows: Sequence[Optional[int]],
+    max_kv: int,
+    sink: int,
+    spread: float = SPREAD,
+) -> list[int]:
+    """Per-layer max_size in proportion to ``weights``, at the memory a uniform
+    ``max_kv`` budget can use.
+
+    ``windows``: per attention layer, its sliding window (Gemma 3 local layers)
+    or None. A uniform budget holds at most ``min(max_kv, window)`` visible
+    tokens in a window layer, so the total is ``sum(min(max_kv, window_i))``
+    (``max_kv`` x layers when no window is smaller than max_kv) and a window
+    layer never gets more than its window. Every layer gets within
+    [max_kv / spread, max_kv * spread] (and at least ``sink + 2``: sinks plus
+    one heavy and one recent slot). Equal weights give the uniform budget.
+    """
+    if len(windows) != len(weights):
+        raise ValueError(f"{len(weights)} layer weights for {len(windows)} attention layers")
+    if max_kv < sink + 2:
+        raise ValueError(
+            f"max_kv={max_kv} is below sink + 2 = {sink + 2}: a layer needs its sinks "
+            "plus one heavy and one recent slot; raise max_kv or lower the sink"
+        )
+    caps = [None if w is None else max(int(w), sink + 2) for w in windows]
+    top = int(max_kv * spread)
+    hi = [top if c is None else min(top, c) for c in caps]
+    total = sum(max_kv if c is None else min(max_kv, c) for c in caps)
+    lo = max(int(max_kv / spread), sink + 2)
+    return allocate_layer_sizes(weights, total, [min(lo, h) for h in hi], hi)
 
 
 def allocate_layer_sizes(

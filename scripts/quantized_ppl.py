@@ -31,7 +31,8 @@ class QuantStrategy(Strategy):
 
     def make_cache(self, model, max_kv):
         cache_type = quantized_cache_type(self.quant)
-        return make_h2o_cache(model, self.h2o_config(max_kv), cache_type=cache_type)
+        return make_h2o_cache(model, self.h2o_config(max_kv), cache_type=cache_type,
+                              **self.budget_kwargs(max_kv))
 
     def describe(self, max_kv):
         d = super().describe(max_kv)
@@ -110,6 +111,7 @@ def main(argv=None) -> int:
     from mlx_h2o.eval.corpora import load_corpus, sample_token_windows
 
     model, tokenizer = load_any(args.model)
+    strategies = [s.calibrated(model, tokenizer) for s in strategies]  # layer budgets
     docs = load_corpus(args.corpus)
     tokens = sample_token_windows(
         tokenizer, docs, args.num_samples, args.seq_len, args.seed

@@ -26,6 +26,8 @@ def test_h2o_flags_build_the_config():
     assert cfg.score == "normalized" and cfg.prefill_window == 0
     assert h2o_config_from_args(parse()) == H2OConfig(max_size=256)  # library defaults
     assert h2o_config_from_args(parse("--no-h2o")) is None
+    assert parse().h2o_layer_budget == "auto"
+    assert parse("--h2o-layer-budget", "uniform").h2o_layer_budget == "uniform"
     # Every mlx_lm.generate flag is still there.
     args = parse("--temp", "0.7", "--top-k", "5", "--prefill-step-size", "64", "--max-kv-size", "9")
     assert (args.temp, args.top_k, args.prefill_step_size, args.max_kv_size) == (0.7, 5, 64, 9)
@@ -63,4 +65,7 @@ def test_generate_on_default_model_evicts(capsys):
                      "--h2o-max-size", "96"]) == 0
     out = capsys.readouterr().out
     line = next(l for l in out.splitlines() if "H2O cache:" in l)
-    assert "kept=96" in line and "evicted=" in line and "evicted=0 " not in line
+    assert "evicted=" in line and "evicted=0 " not in line
+    # --h2o-layer-budget auto (default): the shipped profile's per-layer sizes
+    assert "Layer budget (auto): per-layer max_size 48..131, total 2880 over 30" in out
+    assert "kept=131" in line

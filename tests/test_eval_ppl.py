@@ -151,3 +151,30 @@ def test_ratio_vs_se_agrees_with_bootstrap():
     # for n = 200 the bootstrap interval is ~ +-1.96 se around R
     assert (hi - lo) / (2 * 1.96) == pytest.approx(out["ratio_se"], rel=0.15)
     assert lo < out["ratio"] < hi
+
+
+def test_quantized_strategies():
+    from mlx_h2o.cache import MixedPrecisionH2OKVCache, QuantizedH2OKVCache
+
+    llama = tiny_llama(head_dim=64)  # quantization groups of up to 64 along head_dim
+
+    q8 = parse_strategy("h2o-heavy:kv_bits=8,layer_budget=uniform")
+    mixed = parse_strategy("h2o-heavy:kv_mixed=true,kv_group_size=32,layer_budget=uniform")
+    dense = parse_strategy("h2o-heavy:layer_budget=uniform")
+    assert (q8.quant.bits, q8.quant.group_size, q8.quant.recent_bits) == (8, 64, None)
+    assert (mixed.quant.bits, mixed.quant.group_size, mixed.quant.recent_bits) == (8, 32, 4)
+    assert len({q8.key(16), mixed.key(16), dense.key(16)}) == 3  # never share results
+    assert q8.describe(16)["kv_quant"] == {"bits": 8, "group_size": 64, "recent_bits": None}
+    caches = q8.make_cache(llama, 16)
+    assert all(type(c) is QuantizedH2OKVCache and c.quant == q8.quant for c in caches)
+    assert all(type(c) is MixedPrecisionH2OKVCache for c in mixed.make_cache(llama, 16))
+    # 8-bit K/V under the same eviction: close to dense H2O, not equal.
+    toks = tokens(B=2, L=48)
+    a = ppl.run_ppl(llama, toks, dense, 16, prefill=8)
+    b = ppl.run_ppl(llama, toks, q8, 16, prefill=8)
+    assert a["nll"] != b["nll"] and abs(a["nll"] - b["nll"]) < 0.05
+    for bad in ("h2o-heavy:kv_bits=3", "rotating:kv_bits=8", "h2o-heavy:kv_mixed=2",
+                "h2o-heavy:kv_bits=4,kv_mixed=true", "h2o-heavy:kv_group_size=32",
+                "h2o-heavy:kv_bits=8,kv_group_size=48"):
+        with pytest.raises(ValueError):
+            parse_strategy(bad)

@@ -12,6 +12,7 @@ from mlx_h2o.budgets import allocate_layer_sizes
 from mlx_h2o.config import with_max_size
 from mlx_h2o.eval.calibrate import layer_sizes
 from mlx_h2o.eval.strategies import parse_strategy
+from mlx_h2o.profiles import LayerProfile, save_profile
 from tiny_models import VOCAB, tiny_gemma3, tiny_llama
 
 
@@ -76,6 +77,23 @@ def test_calibrated_sizes_respect_windows_and_total():
     assert s[1] == s[2] == 300 and sum(s) == 4 * 256
     with pytest.raises(ValueError, match="3 layer weights for 4"):
         layer_sizes([1.0] * 3, (None,) * 4, 256, sink=4)
+    with pytest.raises(ValueError, match="max_kv=5 is below sink \\+ 2"):
+        layer_sizes([1.0] * 3, (None,) * 3, 5, sink=4)
+
+
+def test_sizes_at_budgets_above_a_sliding_window():
+    # A window layer can use at most its window: the total is the memory a uniform
+    # budget can use (min(max_kv, window) per window layer), and equal weights
+    # give exactly that uniform budget.
+    windows = (16, 16, None)
+    assert layer_sizes([1.0, 1.0, 1.0], windows, 64, sink=4) == [16, 16, 64]
+    s = layer_sizes([1.0, 1.0, 5.0], windows, 64, sink=4)
+    assert s[:2] == [16, 16] and s[2] == 64  # the full layer cannot take the windows' slots
+    s = layer_sizes([5.0, 1.0, 1.0], windows, 64, sink=4)
+    assert s[0] == 16 and sum(s) == 96 and s[1] >= 16 // 4
+    # at or below the window, the rule of docs/RESULTS.md item 9 (total max_kv x layers)
+    assert layer_sizes([1.0, 1.0, 1.0], windows, 16, sink=4) == [16, 16, 16]
+    assert sum(layer_sizes([1.0, 3.0, 9.0], windows, 16, sink=4)) == 48
 
 
 # --- per-layer configs ------------------------------------------------------
@@ -162,18 +180,44 @@ def test_layer_budget_strategy():
     assert st.layer_budget == "entropy"
     with pytest.raises(ValueError, match="calibrated"):
         st.make_cache(model, 32)
-    st = dataclasses.replace(st, layer_weights=(9.0, 1.0, 2.0), layer_windows=(None,) * 3)
+    profile = LayerProfile(statistic="entropy", weights=(9.0, 1.0, 2.0), attention_layers=3,
+                           windows=(None,) * 3)
+    st = dataclasses.replace(st, profile=profile, layer_windows=(None,) * 3)
     cache = st.make_cache(model, 32)
     sizes = [c.max_size for c in cache]
     assert sum(sizes) == 96 and sizes[0] > sizes[2] > sizes[1] >= 8
     d = st.describe(32)
     assert d["layer_sizes"] == sizes and d["layer_budget"] == "entropy"
-    uniform = parse_strategy("h2o-heavy")
+    uniform = parse_strategy("h2o-heavy:layer_budget=uniform")
     assert st.key(32) != uniform.key(32) and uniform.layer_sizes(32) is None
 
 
+def test_strategy_keys_name_the_resolved_budget(tmp_path):
+    model = tiny_llama(num_hidden_layers=3)
+    uniform = parse_strategy("h2o-heavy:layer_budget=uniform")
+    auto = parse_strategy("h2o-heavy").calibrated(model)  # a random model: uniform
+    assert uniform.key(32) == auto.key(32) == parse_strategy("h2o-heavy").calibrated(
+        model).key(32)
+    assert uniform.key(32).startswith("h2o-heavy-")  # the key of results before profiles
+    with pytest.raises(ValueError, match="calibrated"):
+        parse_strategy("h2o-heavy").key(32)  # "auto" depends on the model
+    path = tmp_path / "p.json"
+    windows = (None,) * 3
+    save_profile(LayerProfile(statistic="invtopk", weights=(1.0, 2.0, 3.0),
+                              attention_layers=3, windows=windows), path)
+    from_file = parse_strategy(f"h2o-heavy:score=normalized,layer_budget={path}")
+    from_file = from_file.calibrated(model)
+    assert from_file.key(32).startswith("h2o-heavy:score=normalized,layer_budget=invtopk-")
+    assert [c.max_size for c in from_file.make_cache(model, 32)] == [16, 32, 48]
+    same = dataclasses.replace(parse_strategy("h2o-heavy:score=normalized,layer_budget=topk"),
+                               profile=from_file.profile, layer_windows=windows)
+    assert same.key(32) == from_file.key(32)  # same config and sizes: one key
+    assert from_file.describe(32)["layer_profile"] == str(path)
+
+
 @pytest.mark.parametrize(
-    "spec", ["h2o-heavy:layer_budget=spread", "rotating:layer_budget=entropy"]
+    "spec", ["h2o-heavy:layer_budget=spread", "rotating:layer_budget=entropy",
+             "h2o-heavy:layer_budget=3"]
 )
 def test_layer_budget_strategy_errors(spec):
     with pytest.raises(ValueError, match="layer_budget|takes only"):

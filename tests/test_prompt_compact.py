@@ -270,9 +270,9 @@ def test_config_value_dict_and_options():
     assert config_from_dict(old) == H2OConfig(max_size=8)
     cfg = H2OConfig(max_size=8, prefill_compact="prompt")
     assert config_from_dict(config_to_dict(cfg)) == cfg
-    s = parse_strategy("h2o-heavy:prefill_compact=prompt")
+    s = parse_strategy("h2o-heavy:prefill_compact=prompt,layer_budget=uniform")
     assert s.h2o_config(1024).prefill_compact == "prompt"
-    assert s.key(1024) != parse_strategy("h2o-heavy").key(1024)
+    assert s.key(1024) != parse_strategy("h2o-heavy:layer_budget=uniform").key(1024)
     with pytest.raises(ValueError, match="prefill_compact"):
         parse_strategy("h2o-heavy:prefill_compact=never")
 

@@ -8,7 +8,9 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_h2o import H2OConfig, cache_stats, make_h2o_cache
+from mlx_h2o.budgets import layer_sizes
 from mlx_h2o.models import load_model
+from mlx_h2o.profiles import shipped_profile
 from test_integration import run
 
 PROSE = Path(__file__).parent / "data" / "python_docs_prose.txt"
@@ -25,20 +27,36 @@ def smollm2():
 def test_smollm2_matches_kvcache_within_budget(smollm2):
     model, tokens = smollm2
     ref = run(model, make_prompt_cache(model), tokens, 128, chunk=48)
-    out = run(model, make_h2o_cache(model, H2OConfig(max_size=256)), tokens, 128, chunk=48)
-    # float32 through 30 layers; the SDPA paths differ only in rounding (measured 6.6e-5).
-    np.testing.assert_allclose(np.array(out), np.array(ref), atol=5e-4, rtol=1e-4)
-    assert mx.array_equal(out.argmax(-1), ref.argmax(-1))
+    for budget, max_size in (("uniform", 256), ("auto", 384)):
+        # "auto" = the shipped profile: its smallest layer at 384 is 194 >= 160 tokens.
+        cache = make_h2o_cache(model, H2OConfig(max_size=max_size), layer_budget=budget)
+        assert min(c.max_size for c in cache) >= tokens.shape[1]
+        out = run(model, cache, tokens, 128, chunk=48)
+        # float32 through 30 layers; the SDPA paths differ only in rounding (measured 6.6e-5).
+        np.testing.assert_allclose(np.array(out), np.array(ref), atol=5e-4, rtol=1e-4)
+        assert mx.array_equal(out.argmax(-1), ref.argmax(-1))
+        assert all(c.evicted == 0 for c in cache)
 
 
 @pytest.mark.real_model
 def test_smollm2_evicting_stays_bounded_and_close(smollm2):
     model, tokens = smollm2
     ref = run(model, make_prompt_cache(model), tokens, 128, chunk=48)
-    cache = make_h2o_cache(model, H2OConfig(max_size=96, heavy_budget=44))
+    cache = make_h2o_cache(model, H2OConfig(max_size=96, heavy_budget=44),
+                           layer_budget="uniform")
     out = run(model, cache, tokens, 128, chunk=48)
     stats = cache_stats(cache)
     assert (stats.tokens_seen, stats.tokens_kept) == (160, 96)
     # Eviction changes the numbers but keeps most greedy predictions (measured 0.97).
     agree = (out.argmax(-1) == ref.argmax(-1)).astype(mx.float32).mean().item()
     assert agree > 0.8, agree
+
+
+@pytest.mark.real_model
+def test_smollm2_auto_uses_the_shipped_profile(smollm2):
+    model, _ = smollm2
+    p = shipped_profile("smollm2-135m")
+    cache = make_h2o_cache(model, H2OConfig(max_size=256))
+    sizes = [c.max_size for c in cache]
+    assert sizes == layer_sizes(p.weights, p.windows, 256, 4) and sum(sizes) == 256 * 30
+    assert len(set(sizes)) > 1

@@ -11,6 +11,7 @@ COMMANDS = {
     "passkey": "Passkey retrieval across context lengths, depths and budgets.",
     "bench": "Prefill/decode throughput and peak memory per cache strategy.",
     "profile": "Per-layer attention entropy and heavy-hitter concentration.",
+    "calibrate": "Measure a model's layer profile (per-layer KV budget weights).",
 }
 
 

@@ -53,6 +53,7 @@ def main(argv=None) -> int:
     args = setup_arg_parser().parse_args(argv)
     strategies = [parse_strategy(s) for s in args.strategies]
     model, name = _load(args)
+    strategies = [s.calibrated(model) for s in strategies]  # layer budgets: no tokenizer
     units = [(st, kv) for st in strategies for kv in (args.max_kv if st.bounded else [0])]
     config = {"model": name, "bits": args.bits, "prompt_tokens": args.prompt_tokens,
               "generation_tokens": args.generation_tokens, "batch_size": args.batch_size,

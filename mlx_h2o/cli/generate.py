@@ -48,6 +48,10 @@ def add_h2o_args(parser: argparse.ArgumentParser) -> None:
                        help="Compact an overflowing prompt after each prefill chunk "
                        "('chunk') or once, at the first decode step, scored by the last "
                        f"chunk ('prompt'; default: {_DEFAULTS['prefill_compact']})")
+    group.add_argument("--h2o-layer-budget", default="auto", metavar="{auto,uniform,PATH}",
+                       help="Share the budget between layers: 'auto' = the shipped layer "
+                       "profile of a packaged model, else uniform; 'uniform'; or a "
+                       "profile file from `mlx-h2o calibrate` (default: auto)")
     group.add_argument("--h2o-kv-bits", type=int, choices=(4, 8), default=None,
                        help="Quantize the kept K/V (QuantizedH2OKVCache)")
     group.add_argument("--h2o-kv-group-size", type=int, choices=(32, 64, 128), default=64,
@@ -140,8 +144,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         cache = load_prompt_cache(args.prompt_cache_file)
     elif config is not None:
         cache_type = quantized_cache_type(quant_config_from_args(args))
-        cache = make_h2o_cache(model, config, cache_type)
-        cache += make_h2o_cache(draft, config, cache_type) if draft is not None else []
+        budget = args.h2o_layer_budget
+        cache = make_h2o_cache(model, config, cache_type, layer_budget=budget)
+        if draft is not None:
+            cache += make_h2o_cache(draft, config, cache_type, layer_budget=budget)
     else:
         cache = None
     sampler = make_sampler(
@@ -160,4 +166,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(text)
     if cache is not None and any(hasattr(c, "h2o_attention") for c in cache):
         print(f"Prompt: {len(prompt)} tokens | {cache_stats(cache).summary()}")
+        print(_layer_budget_line(cache, args.h2o_layer_budget))
     return 0
+
+
+def _layer_budget_line(cache, layer_budget) -> str:
+    sizes = [c.max_size for c in cache if hasattr(c, "h2o_attention")]
+    if len(set(sizes)) == 1:
+        return f"Layer budget ({layer_budget}): uniform, {sizes[0]} per layer"
+    return (f"Layer budget ({layer_budget}): per-layer max_size {min(sizes)}..{max(sizes)}, "
+            f"total {sum(sizes)} over {len(sizes)} layers")

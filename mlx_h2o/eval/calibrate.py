@@ -8,18 +8,24 @@ sizes are fixed before any evaluation sample is seen. Weights per statistic:
 - ``topk``: 1 - share of the accumulated attention held by the top 10% of keys.
 - ``invtopk``: that share itself: concentrated layers get more slots (the
   opposite of PyramidKV's rule; measured better on SmolLM2, docs/RESULTS.md,
-  "What was tried" item 9).
+  "What was tried" item 9). The statistic of the shipped layer profiles.
+
+``make_profile`` packs the weights as a ``LayerProfile`` (``mlx-h2o calibrate``).
 """
 
 import math
-from typing import Any
+from typing import Any, Optional
 
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+import mlx.core as mx
+import mlx_lm
 
-from ..budgets import allocate_layer_sizes
+from ..budgets import layer_sizes  # noqa: F401  (re-exported: sizes from weights)
+from ..integration.factory import attention_windows, model_name
+from ..profiles import LayerProfile
 from .profile import profile_model
 
 CALIBRATION = {"corpus": "austen", "num_samples": 4, "seq_len": 512, "seed": 1234}
+DEFAULT_STATISTIC = "invtopk"
 WEIGHTS = {
     "entropy": lambda row: math.exp(row["entropy"]),
     "topk": lambda row: 1.0 - row["topk_share"],
@@ -28,15 +34,21 @@ WEIGHTS = {
 _ROWS: dict[tuple, list[dict[str, Any]]] = {}  # calibration profiles by (model id, ...)
 
 
-def layer_weights(model, tokenizer, stat: str) -> tuple[float, ...]:
+def calibration_spec(corpus: Optional[str] = None) -> dict[str, Any]:
+    """``CALIBRATION`` with another corpus (None: the default)."""
+    return dict(CALIBRATION, corpus=corpus or CALIBRATION["corpus"])
+
+
+def layer_weights(model, tokenizer, stat: str, calibration: Optional[dict] = None
+                  ) -> tuple[float, ...]:
     """One weight per attention layer from the calibration profile (memoised per model)."""
     if stat not in WEIGHTS:
         raise ValueError(f"layer_budget={stat!r}: use one of {sorted(WEIGHTS)}")
-    key = (id(model),) + tuple(CALIBRATION.values())
+    c = CALIBRATION if calibration is None else calibration
+    key = (id(model),) + tuple(c[k] for k in CALIBRATION)
     if key not in _ROWS:
         from .corpora import load_corpus, sample_token_windows
 
-        c = CALIBRATION
         tokens = sample_token_windows(tokenizer, load_corpus(c["corpus"]),
                                       c["num_samples"], c["seq_len"], c["seed"], bos=True)
         _ROWS[key] = profile_model(model, tokens)
@@ -44,19 +56,25 @@ def layer_weights(model, tokenizer, stat: str) -> tuple[float, ...]:
 
 
 def layer_windows(model) -> tuple:
-    """Per attention layer: its sliding window (``RotatingKVCache``) or None."""
-    caches = make_prompt_cache(model)
-    return tuple(c.max_size if type(c) is RotatingKVCache else None
-                 for c in caches if type(c) in (KVCache, RotatingKVCache))
+    """Per attention layer: its sliding window or None."""
+    return attention_windows(model)
 
 
-def layer_sizes(weights, windows, max_kv: int, sink: int, spread: float = 4.0) -> list[int]:
-    """Sizes with the memory of a uniform ``max_kv`` budget, within
-    [max_kv / spread, max_kv * spread]; a sliding-window layer at most its window
-    (or max_kv if larger)."""
-    if len(windows) != len(weights):
-        raise ValueError(f"{len(weights)} layer weights for {len(windows)} attention layers")
-    top = int(max_kv * spread)
-    hi = [top if w is None else min(top, max(w, max_kv)) for w in windows]
-    lo = max(int(max_kv / spread), sink + 2)
-    return allocate_layer_sizes(weights, max_kv * len(hi), lo, hi)
+def make_profile(model, tokenizer, stat: str = DEFAULT_STATISTIC,
+                 calibration: Optional[dict] = None, model_label: str = "",
+                 command: str = "") -> LayerProfile:
+    """A ``LayerProfile`` of ``model`` measured on ``calibration`` text."""
+    c = dict(CALIBRATION if calibration is None else calibration)
+    weights = layer_weights(model, tokenizer, stat, c)
+    windows = layer_windows(model)
+    made_by = {"command": command, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
+               "mlx_h2o": _version(), "device": str(mx.default_device())}
+    return LayerProfile(statistic=stat, weights=weights, attention_layers=len(windows),
+                        windows=windows, model=model_label, model_type=model_name(model),
+                        calibration=c, made_by=made_by)
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__

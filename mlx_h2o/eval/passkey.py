@@ -83,6 +83,7 @@ def run_strategy(model, tokenizer, prompts, strategy: Strategy, max_kv: int,
                  prefill_step: int = 2048, new_tokens: int = 8, batch_size: int = 0,
                  show: bool = False) -> dict[str, Any]:
     """All trials for one strategy at one budget, batched by prompt length."""
+    strategy = strategy.for_model(model)
     groups: dict[int, list] = {}
     for p in prompts:
         groups.setdefault(len(p["tokens"]), []).append(p)

@@ -140,6 +140,7 @@ def run_ppl(
     """One strategy at one budget on (B, L) samples, ``batch_size`` at a time (0: all)."""
     if mode not in ("decode", "chunked"):
         raise ValueError(f"unknown mode {mode!r}: use 'decode' or 'chunked'")
+    strategy = strategy.for_model(model)
     mx.reset_peak_memory()
     tic = time.perf_counter()
     B = tokens.shape[0]
@@ -193,6 +194,7 @@ def sweep(
 
 def _unit(model, tokens, strategy, max_kv, rdir, log, **kw):
     L = tokens.shape[1]
+    strategy = strategy.for_model(model)
     name = strategy.key(max_kv)
     key = f"{name}-kv{max_kv}-L{L}" if max_kv else f"{name}-L{L}"
     row = rdir.load(key) if rdir is not None else None
@@ -206,6 +208,8 @@ def _unit(model, tokens, strategy, max_kv, rdir, log, **kw):
             f"time={row['seconds']:.1f}s")
     else:
         log(f"{key}: ppl={row['ppl']:.4f} (finished earlier, skipped)")
+        # Same key = same config and layer sizes; label it as asked this time.
+        row["strategy"] = strategy.name
     return row
 
 

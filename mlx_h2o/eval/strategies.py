@@ -15,9 +15,18 @@ Any name takes overrides after a colon, ``name:key=value,key=value``: ``heavy``
 (a fraction of max_kv when < 1, else tokens), ``sink``, and any ``H2OConfig``
 field (``score=normalized``, ``ema_alpha=0.9``, ...). Score-mode shorthands:
 ``h2o-heavy-acc``, ``h2o-heavy-norm``, ``h2o-heavy-ema`` (any split).
-``layer_budget=entropy`` (or ``topk``, ``invtopk``) gives each layer its own
-max_size at the total memory of the uniform budget (``eval/calibrate.py``);
-such a strategy must be ``calibrated(model, tokenizer)`` before use.
+``layer_budget`` shares the budget between layers as ``make_h2o_cache`` does:
+``auto`` (the default: the shipped layer profile of a packaged model, else
+uniform), ``uniform`` (max_kv in every layer: the results before per-layer
+budgets), a profile file (``mlx-h2o calibrate``), or a statistic calibrated
+in-process (``entropy``, ``topk``, ``invtopk``; ``eval/calibrate.py``). An H2O
+strategy must be ``calibrated(model, tokenizer)`` before use (``uniform``
+excepted). Result keys name the resolved budget, not its spelling: ``h2o-heavy``
+on a packaged model and ``h2o-heavy:layer_budget=invtopk`` with the same sizes
+share a key; ``h2o-heavy:layer_budget=uniform`` keys as ``h2o-heavy`` did before.
+Quantized H2O (``QuantizedH2OKVCache``): ``kv_bits`` (4 or 8), ``kv_group_size``
+(32, 64 or 128; default 64) and ``kv_mixed=true`` (heavy hitters at 8 bits, the
+recent window at 4), e.g. ``h2o-heavy:kv_bits=8``, ``h2o-heavy:kv_mixed=true``.
 """
 
 import dataclasses
@@ -26,14 +35,19 @@ from typing import Any
 
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
+from ..budgets import layer_sizes
+from ..cache import QuantConfig, quantized_cache_type
 from ..config import H2OConfig, config_to_dict
-from ..integration.factory import make_h2o_cache
+from ..integration.factory import attention_windows, make_h2o_cache, resolve_layer_profile
+from ..profiles import LayerProfile
 
 SPLITS = {"recent": 1 / 8, "balanced": 1 / 4, "heavy": 1 / 2}
-LAYER_BUDGETS = ("entropy", "topk", "invtopk")  # keys of calibrate.WEIGHTS
+STATISTICS = ("entropy", "topk", "invtopk")  # keys of calibrate.WEIGHTS
+LAYER_BUDGETS = ("auto", "uniform") + STATISTICS  # or a profile file (.json)
 SCORE_SHORT = {"acc": "accumulated", "norm": "normalized", "ema": "ema"}
 DEFAULT_STRATEGIES = ("baseline", "rotating", "h2o-recent", "h2o-balanced", "h2o-heavy")
 _CONFIG_FIELDS = {f.name: f.type for f in dataclasses.fields(H2OConfig)}
+_OWN_OPTIONS = ("sink", "heavy", "layer_budget", "kv_bits", "kv_group_size", "kv_mixed")
 
 
 @dataclass(frozen=True)
@@ -45,13 +59,20 @@ class Strategy:
     sink: int = 4
     heavy: float = None  # fraction of max_kv (< 1) or tokens; None: config default
     options: dict[str, Any] = field(default_factory=dict)
-    layer_budget: str = None  # None (uniform) or a statistic of calibrate.WEIGHTS
-    layer_weights: tuple = None  # set by calibrated()
-    layer_windows: tuple = None
+    layer_budget: str = "auto"  # LAYER_BUDGETS or a profile path
+    profile: LayerProfile = None  # set by calibrated(); None: uniform
+    layer_windows: tuple = None  # set by calibrated(): the model's attention windows
+    quant: QuantConfig = None  # quantized K/V (QuantizedH2OKVCache); None: dense
 
     @property
     def bounded(self) -> bool:
         return self.kind != "baseline"
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the layer budget is known without a model (see ``calibrated``)."""
+        return self.kind != "h2o" or self.layer_windows is not None or (
+            self.layer_budget == "uniform")
 
     def h2o_config(self, max_kv: int) -> H2OConfig:
         heavy = self.heavy
@@ -60,25 +81,34 @@ class Strategy:
         opts = dict(self.options)
         return H2OConfig(max_size=max_kv, sink_size=self.sink, heavy_budget=heavy, **opts)
 
-    def calibrated(self, model, tokenizer) -> "Strategy":
-        """This strategy with its per-layer weights measured (no-op when uniform)."""
-        if self.layer_budget is None:
+    def calibrated(self, model, tokenizer=None) -> "Strategy":
+        """This strategy with its layer budget resolved for ``model``."""
+        if self.kind != "h2o":
             return self
-        from .calibrate import layer_weights, layer_windows
+        windows = attention_windows(model)
+        if self.layer_budget in STATISTICS:
+            from .calibrate import make_profile
 
-        return dataclasses.replace(
-            self, layer_weights=layer_weights(model, tokenizer, self.layer_budget),
-            layer_windows=layer_windows(model),
-        )
+            if tokenizer is None:
+                raise ValueError(f"strategy {self.name!r}: call calibrated(model, tokenizer) "
+                                 "first: calibrating needs the tokenizer")
+            profile = make_profile(model, tokenizer, self.layer_budget)
+            profile = dataclasses.replace(profile, source=f"calibrated ({self.layer_budget})")
+        else:
+            profile = resolve_layer_profile(model, self.layer_budget, windows)
+        return dataclasses.replace(self, profile=profile, layer_windows=windows)
+
+    def for_model(self, model) -> "Strategy":
+        """Resolved for ``model`` if it is not yet (layer budgets that need no tokenizer)."""
+        return self if self.resolved else self.calibrated(model)
 
     def layer_sizes(self, max_kv: int) -> list[int] | None:
-        if self.layer_budget is None:
+        if not self.resolved:
+            raise ValueError(f"strategy {self.name!r}: layer_budget={self.layer_budget!r} "
+                             "depends on the model: call calibrated(model, tokenizer) first")
+        if self.kind != "h2o" or self.profile is None:
             return None
-        if self.layer_weights is None:
-            raise ValueError(f"strategy {self.name!r}: call calibrated(model, tokenizer) first")
-        from .calibrate import layer_sizes
-
-        return layer_sizes(self.layer_weights, self.layer_windows, max_kv, self.sink)
+        return layer_sizes(self.profile.weights, self.layer_windows, max_kv, self.sink)
 
     def describe(self, max_kv: int) -> dict[str, Any]:
         d = {"strategy": self.name, "kind": self.kind, "max_kv": max_kv}
@@ -86,30 +116,53 @@ class Strategy:
             d.update(sink=self.sink)
         elif self.kind == "h2o":
             d.update(config_to_dict(self.h2o_config(max_kv)))
-            if self.layer_budget is not None:
-                d.update(layer_budget=self.layer_budget, layer_sizes=self.layer_sizes(max_kv),
-                         layer_weights=list(self.layer_weights))
+            if self.quant is not None:
+                d.update(kv_quant=dataclasses.asdict(self.quant))
+            if self.profile is not None:
+                d.update(layer_budget=self.profile.statistic,
+                         layer_sizes=self.layer_sizes(max_kv),
+                         layer_weights=list(self.profile.weights),
+                         layer_profile=self.profile.name)
         return d
 
     def key(self, max_kv: int) -> str:
-        """A file-name key: the name, plus a hash of the resolved H2O config, so
-        results saved under other library defaults are never reused."""
+        """A file-name key: the canonical name plus a hash of the resolved H2O config
+        and layer sizes, so results saved under other defaults are never reused."""
         if self.kind != "h2o":
             return self.name
         from .results import config_hash
 
         d = config_to_dict(self.h2o_config(max_kv))
-        if self.layer_budget is not None:
-            d["layer_sizes"] = self.layer_sizes(max_kv)
-        return f"{self.name}-{config_hash(d)[:6]}"
+        sizes = self.layer_sizes(max_kv)
+        if sizes is not None:
+            d["layer_sizes"] = sizes
+        if self.quant is not None:
+            d["kv_quant"] = dataclasses.asdict(self.quant)
+        return f"{self._canonical_name()}-{config_hash(d)[:6]}"
+
+    def _canonical_name(self) -> str:
+        """The name with ``layer_budget`` as resolved: dropped when uniform, else
+        ``layer_budget=<statistic>`` last (the sizes are in the key's hash)."""
+        base, _, opts = self.name.partition(":")
+        items = [o for o in opts.split(",") if o and not o.startswith("layer_budget=")]
+        if self.profile is not None:
+            items.append(f"layer_budget={self.profile.statistic}")
+        return base + (":" + ",".join(items) if items else "")
 
     def make_cache(self, model, max_kv: int) -> list[Any]:
+        if not self.resolved:
+            return self.calibrated(model).make_cache(model, max_kv)
         if self.kind == "baseline":
             return make_prompt_cache(model)
         if self.kind == "rotating":
             return rotating_cache(model, max_kv, self.sink)
-        return make_h2o_cache(model, self.h2o_config(max_kv),
-                              layer_sizes=self.layer_sizes(max_kv))
+        return make_h2o_cache(model, self.h2o_config(max_kv), quantized_cache_type(self.quant),
+                              **self.budget_kwargs(max_kv))
+
+    def budget_kwargs(self, max_kv: int) -> dict[str, Any]:
+        """``make_h2o_cache`` arguments for this strategy's resolved layer budget."""
+        sizes = self.layer_sizes(max_kv)
+        return {"layer_budget": "uniform"} if sizes is None else {"layer_sizes": sizes}
 
 
 def rotating_cache(model, max_kv: int, sink: int) -> list[Any]:
@@ -135,8 +188,9 @@ def parse_strategy(spec: str) -> Strategy:
     sink = int(options.pop("sink", 4))
     heavy = options.pop("heavy", None)
     layer_budget = options.pop("layer_budget", None)
+    quant = _quant(options, spec)
     if parts[0] in ("baseline", "rotating") and len(parts) == 1:
-        if options or layer_budget is not None:
+        if options or layer_budget is not None or quant is not None:
             raise ValueError(f"strategy {spec!r}: {parts[0]} takes only sink=")
         return Strategy(spec, parts[0], sink=sink)
     if parts[0] != "h2o" or len(parts) > 3:
@@ -149,12 +203,32 @@ def parse_strategy(spec: str) -> Strategy:
             raise ValueError(f"strategy {spec!r}: split must be one of {sorted(SPLITS)}")
         heavy = SPLITS[rest[0]] if heavy is None else heavy
     heavy = None if heavy is None else float(heavy)
-    if layer_budget is not None and layer_budget not in LAYER_BUDGETS:
-        raise ValueError(f"strategy {spec!r}: layer_budget must be one of {LAYER_BUDGETS}")
+    layer_budget = "auto" if layer_budget is None else layer_budget
+    if layer_budget not in LAYER_BUDGETS and not _is_profile_path(layer_budget):
+        raise ValueError(f"strategy {spec!r}: layer_budget must be one of {LAYER_BUDGETS} "
+                         "or a profile file (.json, from `mlx-h2o calibrate`)")
     strategy = Strategy(spec, "h2o", sink=sink, heavy=heavy, options=options,
-                        layer_budget=layer_budget)
+                        layer_budget=layer_budget, quant=quant)
     strategy.h2o_config(256)  # validate the options now, not mid-run
     return strategy
+
+
+def _quant(options: dict[str, Any], spec: str):
+    """Pop the K/V quantization options: a QuantConfig, or None (dense)."""
+    bits, group = options.pop("kv_bits", None), options.pop("kv_group_size", 64)
+    mixed = options.pop("kv_mixed", False)
+    if group != 64 and bits is None and not mixed:
+        raise ValueError(f"strategy {spec!r}: kv_group_size needs kv_bits= or kv_mixed=true")
+    if not isinstance(mixed, bool):
+        raise ValueError(f"strategy {spec!r}: kv_mixed must be true or false, got {mixed!r}")
+    try:
+        return QuantConfig.from_flags(bits, group, mixed)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"strategy {spec!r}: {e}") from None
+
+
+def _is_profile_path(value) -> bool:
+    return isinstance(value, str) and value.endswith(".json")
 
 
 def _parse_options(opts: str, spec: str) -> dict[str, Any]:
@@ -163,7 +237,7 @@ def _parse_options(opts: str, spec: str) -> dict[str, Any]:
         key, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"strategy {spec!r}: option {item!r} is not key=value")
-        if key not in ("sink", "heavy", "layer_budget") and key not in _CONFIG_FIELDS:
+        if key not in _OWN_OPTIONS and key not in _CONFIG_FIELDS:
             raise ValueError(f"strategy {spec!r}: unknown option {key!r}")
         out[key] = _convert(value)
     return out

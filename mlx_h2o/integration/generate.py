@@ -12,6 +12,7 @@ from .routing import patch
 
 def _h2o_cache(model, draft_model, h2o_config, kwargs) -> Optional[List[Any]]:
     cache = kwargs.pop("prompt_cache", None)
+    layer_budget = kwargs.pop("layer_budget", "auto")
     if h2o_config is None:
         return cache
     if kwargs.get("max_kv_size") is not None:
@@ -26,9 +27,9 @@ def _h2o_cache(model, draft_model, h2o_config, kwargs) -> Optional[List[Any]]:
         )
     if cache is not None:
         raise ValueError("pass either prompt_cache or h2o_config, not both")
-    cache = make_h2o_cache(model, h2o_config)
+    cache = make_h2o_cache(model, h2o_config, layer_budget=layer_budget)
     if draft_model is not None:
-        cache = cache + make_h2o_cache(draft_model, h2o_config)
+        cache = cache + make_h2o_cache(draft_model, h2o_config, layer_budget=layer_budget)
     return cache
 
 
@@ -44,7 +45,8 @@ def stream_generate(
 
     Routing is enabled only while each response is computed. Pass
     ``prompt_cache=`` (from ``make_h2o_cache``) instead to keep the cache and
-    read its stats afterwards.
+    read its stats afterwards. ``layer_budget=`` ("auto" by default, "uniform"
+    or a profile path) goes to ``make_h2o_cache``.
     """
     cache = _h2o_cache(model, kwargs.get("draft_model"), h2o_config, kwargs)
     responses = mlx_lm.stream_generate(

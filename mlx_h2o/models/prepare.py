@@ -183,7 +183,17 @@ def resolve_model(name_or_path: str | None = None) -> str:
 
 def load_model(name_or_path: str | None = None, **mlx_lm_load_kwargs: Any) -> tuple:
     """`mlx_lm.load(resolve_model(name_or_path), **mlx_lm_load_kwargs)`:
-    `(model, tokenizer)` (None: the default packaged model)."""
+    `(model, tokenizer)` (None: the default packaged model).
+
+    A packaged model loaded without adapters gets its name recorded on the
+    model (`profiles.PACKAGED_ATTR`): `make_h2o_cache(layer_budget="auto")`
+    then uses the layer profile shipped for it."""
     from mlx_lm import load
 
-    return load(resolve_model(name_or_path), **mlx_lm_load_kwargs)
+    from ..profiles import PACKAGED_ATTR
+
+    name = DEFAULT_MODEL if name_or_path is None else str(name_or_path)
+    out = load(resolve_model(name_or_path), **mlx_lm_load_kwargs)
+    if name in PACKAGED_MODELS and mlx_lm_load_kwargs.get("adapter_path") is None:
+        setattr(out[0], PACKAGED_ATTR, name)
+    return out

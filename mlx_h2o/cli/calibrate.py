@@ -1,0 +1,53 @@
+"""`mlx-h2o calibrate`: measure a model's layer profile (per-layer budget weights).
+
+Example (how the shipped profiles were made; any mlx-lm model works):
+    mlx-h2o calibrate --model smollm2-135m --out mlx_h2o/profiles/smollm2-135m.json
+Then `mlx-h2o generate --h2o-layer-budget FILE`, `make_h2o_cache(...,
+layer_budget=FILE)` or the eval strategy `h2o-heavy:layer_budget=FILE`.
+"""
+
+import argparse
+import shlex
+import time
+from pathlib import Path
+
+from ..eval.calibrate import CALIBRATION, DEFAULT_STATISTIC, WEIGHTS, calibration_spec
+from ..eval.calibrate import make_profile
+from ..eval.common import load_any
+from ..eval.results import slug
+from ..profiles import save_profile
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m",
+                   help="packaged model (smollm2-135m, gemma3-270m) or an mlx-lm path")
+    p.add_argument("--corpus", default=CALIBRATION["corpus"],
+                   help="calibration text: austen, python-docs, sharegpt or hf:<dataset> "
+                   f"({CALIBRATION['num_samples']} windows of {CALIBRATION['seq_len']} "
+                   f"tokens, seed {CALIBRATION['seed']})")
+    p.add_argument("--statistic", choices=sorted(WEIGHTS), default=DEFAULT_STATISTIC,
+                   help=f"per-layer weight (default: {DEFAULT_STATISTIC})")
+    p.add_argument("--out", default=None,
+                   help="profile file to write (default: <model>.layer-profile.json)")
+    return p
+
+
+def main(argv=None) -> int:
+    argv = [] if argv is None else list(argv)
+    args = setup_arg_parser().parse_args(argv)
+    out = Path(args.out or f"{slug(Path(args.model).name)}.layer-profile.json")
+    if not out.parent.is_dir():
+        raise ValueError(f"--out {out}: folder {out.parent} does not exist; create it first")
+    tic = time.perf_counter()
+    model, tokenizer = load_any(args.model)
+    command = "mlx-h2o calibrate " + shlex.join(argv)
+    profile = make_profile(model, tokenizer, args.statistic, calibration_spec(args.corpus),
+                           model_label=args.model, command=command)
+    save_profile(profile, out)
+    print(f"# {command}")
+    print(f"weights ({profile.statistic}, {profile.attention_layers} attention layers): "
+          + " ".join(f"{w:.3f}" for w in profile.weights))
+    print(f"wrote {out} in {time.perf_counter() - tic:.1f}s")
+    return 0
