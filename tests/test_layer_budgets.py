@@ -6,22 +6,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx_h2o
 from mlx_h2o import H2OConfig, H2OKVCache, make_h2o_cache
 from mlx_h2o.budgets import allocate_layer_sizes
 from mlx_h2o.config import with_max_size
 from mlx_h2o.eval.calibrate import layer_sizes
 from mlx_h2o.eval.strategies import parse_strategy
 from mlx_h2o.profiles import LayerProfile, save_profile
-from tiny_models import VOCAB, tiny_gemma3, tiny_llama
-
-
-def run(model, cache, tokens, prefill):
-    with mlx_h2o.patch():
-        outs = [model(tokens[:, :prefill], cache=cache)]
-        for t in range(prefill, tokens.shape[1]):
-            outs.append(model(tokens[:, t : t + 1], cache=cache))
-    return mx.concatenate(outs, axis=1)
+from tiny_models import VOCAB, teacher_forced as run, tiny_gemma3, tiny_llama
 
 
 # --- allocation -------------------------------------------------------------

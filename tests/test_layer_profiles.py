@@ -23,15 +23,7 @@ from mlx_h2o.profiles import (
     save_profile,
     shipped_profile,
 )
-from tiny_models import VOCAB, tiny_gemma3, tiny_llama
-
-
-def run(model, cache, tokens, prefill):
-    with mlx_h2o.patch():
-        outs = [model(tokens[:, :prefill], cache=cache)]
-        for t in range(prefill, tokens.shape[1]):
-            outs.append(model(tokens[:, t : t + 1], cache=cache))
-    return mx.concatenate(outs, axis=1)
+from tiny_models import VOCAB, teacher_forced as run, tiny_gemma3, tiny_llama
 
 
 def profile_for(model, weights, **kw) -> LayerProfile:

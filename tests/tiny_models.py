@@ -54,3 +54,14 @@ def _init(model, seed):
 
 
 BUILDERS = {"llama": tiny_llama, "qwen3": tiny_qwen3, "gemma3_text": tiny_gemma3}
+
+
+def teacher_forced(model, cache, tokens, prefill):
+    """Logits of a prompt of `prefill` tokens, then one decode step per token."""
+    import mlx_h2o
+
+    with mlx_h2o.patch():
+        outs = [model(tokens[:, :prefill], cache=cache)]
+        for t in range(prefill, tokens.shape[1]):
+            outs.append(model(tokens[:, t : t + 1], cache=cache))
+    return mx.concatenate(outs, axis=1)
