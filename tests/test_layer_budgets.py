@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 
 from mlx_h2o import H2OConfig, H2OKVCache, make_h2o_cache
-from mlx_h2o.budgets import allocate_layer_sizes
+from mlx_h2o.budgets import allocate_layer_sizes, layer_sizes
 from mlx_h2o.config import with_max_size
-from mlx_h2o.eval.calibrate import layer_sizes
 from mlx_h2o.eval.strategies import parse_strategy
 from mlx_h2o.profiles import LayerProfile, save_profile
 from tiny_models import VOCAB, teacher_forced as run, tiny_gemma3, tiny_llama

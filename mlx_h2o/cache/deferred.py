@@ -64,7 +64,7 @@ def batch_logits(items: List[QueuedQuery], keys: mx.array) -> Tuple[mx.array, mx
     Computed as the reference attention computes them: in float32 (float16 /
     bfloat16 values are exact in TF32 too), logits = (q . k) * scale.
     """
-    logits = _masked_logits(items, keys)
+    logits = _masked_logits(items, keys, _visible(items, keys.shape[2]))
     B, Hk, G, T, n = logits.shape
     logits = logits.reshape(B, Hk * G, T, n)
     return logits, mx.logsumexp(logits, axis=-1)
@@ -75,22 +75,22 @@ def batch_fold(items: List[QueuedQuery], keys: mx.array) -> Tuple[mx.array, mx.a
     summed modes (policy.fold_scores): per slot, the attention probability
     averaged over each GQA group and summed over the queries, (B, n_kv_heads,
     n); and the number of queries that saw the slot, (n,). float32."""
-    logits = _masked_logits(items, keys)  # few passes over the largest array
+    visible = _visible(items, keys.shape[2])
+    logits = _masked_logits(items, keys, visible)  # few passes over the largest array
     step = mx.softmax(logits, axis=-1).sum(axis=(2, 3)) / logits.shape[2]
-    seen = (mx.arange(keys.shape[2])[None] < _visible_counts(items)[:, None]).sum(axis=0)
-    return step, seen.astype(mx.float32)
+    return step, visible.sum(axis=0).astype(mx.float32)
 
 
-def _visible_counts(items: List[QueuedQuery]) -> mx.array:
-    return mx.array([it.n for it in items])
+def _visible(items: List[QueuedQuery], n: int) -> mx.array:
+    """(T, n) bool: query t sees slots < items[t].n."""
+    return mx.arange(n)[None] < mx.array([it.n for it in items])[:, None]
 
 
-def _masked_logits(items: List[QueuedQuery], keys: mx.array) -> mx.array:
-    """(B, n_kv_heads, G, T, n) float32 logits; -inf where query t cannot see."""
+def _masked_logits(items: List[QueuedQuery], keys: mx.array, visible: mx.array) -> mx.array:
+    """(B, n_kv_heads, G, T, n) float32 logits; -inf where ``visible`` is False."""
     q = mx.concatenate([it.queries for it in items], axis=2)
     B, Hq, T, D = q.shape
     Hk, n = keys.shape[1], keys.shape[2]
     q = q.astype(mx.float32).reshape(B, Hk, (Hq // Hk) * T, D)
     logits = (q @ keys.astype(mx.float32).swapaxes(-1, -2)) * items[0].scale
-    hidden = mx.arange(n)[None] >= _visible_counts(items)[:, None]  # (T, n)
-    return logits.reshape(B, Hk, Hq // Hk, T, n) + mx.where(hidden, -mx.inf, 0.0)
+    return logits.reshape(B, Hk, Hq // Hk, T, n) + mx.where(visible, 0.0, -mx.inf)

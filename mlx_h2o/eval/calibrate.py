@@ -19,7 +19,6 @@ from typing import Any, Optional
 import mlx.core as mx
 import mlx_lm
 
-from ..budgets import layer_sizes  # noqa: F401  (re-exported: sizes from weights)
 from ..integration.factory import attention_windows, model_name
 from ..profiles import LayerProfile
 from .profile import profile_model
@@ -55,18 +54,13 @@ def layer_weights(model, tokenizer, stat: str, calibration: Optional[dict] = Non
     return tuple(round(WEIGHTS[stat](r), 6) for r in _ROWS[key])
 
 
-def layer_windows(model) -> tuple:
-    """Per attention layer: its sliding window or None."""
-    return attention_windows(model)
-
-
 def make_profile(model, tokenizer, stat: str = DEFAULT_STATISTIC,
                  calibration: Optional[dict] = None, model_label: str = "",
                  command: str = "") -> LayerProfile:
     """A ``LayerProfile`` of ``model`` measured on ``calibration`` text."""
     c = dict(CALIBRATION if calibration is None else calibration)
     weights = layer_weights(model, tokenizer, stat, c)
-    windows = layer_windows(model)
+    windows = attention_windows(model)
     made_by = {"command": command, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
                "mlx_h2o": _version(), "device": str(mx.default_device())}
     return LayerProfile(statistic=stat, weights=weights, attention_layers=len(windows),

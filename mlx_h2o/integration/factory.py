@@ -77,10 +77,10 @@ def make_h2o_cache(
             layer_sizes = profile_layer_sizes(profile, config, windows)
             origin = f"layer profile {profile.name}"
     cfgs = layer_configs(config, layer_sizes, len(layers), origin)
-    for i, cfg, window in zip(layers, cfgs, windows):
+    for j, (i, cfg, window) in enumerate(zip(layers, cfgs, windows)):
         caches[i] = cache_type(cfg, window_size=window)
         caches[i].model_name = name
-        caches[i].set_fold_phase(len(layers) - 1 - layers.index(i))  # layers fold apart
+        caches[i].set_fold_phase(len(layers) - 1 - j)  # layers fold apart
     return caches
 
 

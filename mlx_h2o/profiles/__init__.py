@@ -13,7 +13,6 @@ model, no mlx.
 import json
 import math
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -139,17 +138,10 @@ def load_profile(path: Union[str, os.PathLike]) -> LayerProfile:
 
 def save_profile(profile: LayerProfile, path: Union[str, os.PathLike]) -> Path:
     """Write atomically: a temp file beside ``path``, then rename; nothing left on failure."""
+    from ..eval.results import write_json  # the project's atomic JSON writer (stdlib only)
+
     path = Path(path)
-    text = json.dumps(profile.to_dict(), indent=1) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_json(path, profile.to_dict())
     return path
 
 
