@@ -1,8 +1,9 @@
-"""GPU check of the wired H2O cache: fused decode step vs the op-by-op path.
+"""GPU check of the wired H2O cache: group fold and fused step vs the op-by-op path.
 
 1. Correctness: a random llama (fp16 and fp32) decodes teacher-forced through
-   H2OKVCache with the fused step and with ``use_fused_step = False``; the kept
-   positions, eviction counts and logits must agree.
+   H2OKVCache with the group fold (the default), the per-layer fused step and
+   ``use_fused_step = False``; the kept positions, eviction counts and logits
+   must agree.
 2. Speed: decode tok/s of a Qwen3-8B-shaped random 4-bit model at one context,
    KVCache vs Rotating vs H2O (no eviction / evicting every step, fused and
    not), interleaved and repeated; medians and ratios; a final JSON line.
@@ -46,24 +47,33 @@ def check_correctness(dtype, max_size=64, steps=150):
     # max 64: full from the prompt on; max 160: fills (valid < capacity) first.
     cfg = H2OConfig(max_size=max_size, sink_size=4, heavy_budget=max_size // 2 - 2)
     runs = {}
-    for fused in (True, False):
+    for path in ("group", "fused", "ops"):
         cache = make_h2o_cache(model, cfg)
         for c in cache:
-            c.use_fused_step = fused
-        runs[fused] = (teacher_forced(model, cache, tokens, 100), cache)
-    (a, ca), (b, cb) = runs[True], runs[False]
-    kept = [np.sort(np.array(c.positions[..., : c.size()]), -1) for c in ca]
+            c.use_fused_step = path != "ops"
+            if path != "group":
+                c._group = None  # per-layer steps: the fused launch, or op by op
+        out = teacher_forced(model, cache, tokens, 100)
+        taken = (all(c._plan is not None for c in cache) if path == "fused" else
+                 all(c._group is not None and c._group._stacked is not None for c in cache)
+                 if path == "group" else all(c._plan is None for c in cache))
+        runs[path] = (out, cache, taken)
+    b, cb, _ = runs["ops"]
     kept_ref = [np.sort(np.array(c.positions[..., : c.size()]), -1) for c in cb]
-    same_kept = all(np.array_equal(x, y) for x, y in zip(kept, kept_ref))
-    err = mx.abs(a - b).max().item()
-    agree = (a.argmax(-1) == b.argmax(-1)).astype(mx.float32).mean().item()
-    took_fused = all(c._plan is not None for c in ca) and all(c._plan is None for c in cb)
-    ok = (same_kept and ca[0].evicted == cb[0].evicted == 100 + steps - max_size
-          and agree == 1.0 and took_fused)
-    print(f"correctness dtype={dtype} max_size={max_size} fused_path_taken={took_fused} "
-          f"same_kept={same_kept} "
-          f"evicted={ca[0].evicted} "
-          f"max_logit_err={err:.3g} greedy_agree={agree:.3f} -> {'ok' if ok else 'MISMATCH'}")
+    ok = True
+    for path in ("group", "fused"):
+        a, ca, taken = runs[path]
+        kept = [np.sort(np.array(c.positions[..., : c.size()]), -1) for c in ca]
+        same_kept = all(np.array_equal(x, y) for x, y in zip(kept, kept_ref))
+        err = mx.abs(a - b).max().item()
+        agree = (a.argmax(-1) == b.argmax(-1)).astype(mx.float32).mean().item()
+        good = (same_kept and ca[0].evicted == cb[0].evicted == 100 + steps - max_size
+                and agree == 1.0 and taken)
+        print(f"correctness dtype={dtype} max_size={max_size} path={path} taken={taken} "
+              f"same_kept={same_kept} evicted={ca[0].evicted} "
+              f"max_logit_err={err:.3g} greedy_agree={agree:.3f} -> "
+              f"{'ok' if good else 'MISMATCH'}")
+        ok = ok and good
     return ok
 
 
@@ -108,6 +118,13 @@ def eager(cfg, model):
     return cache
 
 
+def per_layer(cfg, model):
+    cache = make_h2o_cache(model, cfg)
+    for c in cache:
+        c._group = None  # the fused launch per layer and step (no group fold)
+    return cache
+
+
 def views(cfg, model):
     cache = make_h2o_cache(model, cfg)
     for c in cache:
@@ -133,6 +150,8 @@ def bench(model, context, budgets, steps, rounds, variants):
         strategies[f"h2o_evict_{b}"] = lambda e=evict: make_h2o_cache(model, e)
         if "unfused" in variants:
             strategies[f"h2o_evict_{b}_unfused"] = lambda e=evict: unfused(e, model)
+        if "perlayer" in variants:
+            strategies[f"h2o_evict_{b}_perlayer"] = lambda e=evict: per_layer(e, model)
         if "views" in variants:
             strategies[f"h2o_evict_{b}_views"] = lambda e=evict: views(e, model)
         if "quantized" in variants:
@@ -178,7 +197,7 @@ def main():
     p.add_argument("--steps", type=int, default=32, help="decode steps per round")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--variants", nargs="*", default=[],
-                   choices=["unfused", "views", "quantized", "eager"],
+                   choices=["unfused", "views", "quantized", "eager", "perlayer"],
                    help="also time the op-by-op path / the fused step on fetched views / "
                         "8- and 4-bit H2O caches / no eviction folding every step")
     p.add_argument("--no-bench", action="store_true")

@@ -27,11 +27,13 @@ def _folded(name):
     attr = "_" + name
 
     def get(self):
+        self._leave_group()
         if self._queue.items:
             self._fold_queue()
         return getattr(self, attr)
 
     def put(self, value):
+        self._leave_group()
         setattr(self, attr, value)
 
     return property(get, put)
@@ -65,6 +67,10 @@ class H2OKVCache:
     # launch and no metadata writes per step while the cache fills.
     defer_scores = True
     defer_steps = 128
+    # Evicting decode steps folded with other layers' in one launch per token
+    # (cache/group.py): make_h2o_cache sets the group on a GPU backend.
+    _group = None
+    _group_scale = None  # the scale of the query this cache last pushed
 
     positions = _folded("positions")  # (B, Hk, cap) int32 token position per slot
     score = _folded("score")  # (B, Hk, cap) float32 accumulated score
@@ -103,6 +109,8 @@ class H2OKVCache:
         if self._pending:
             name = f" (model: {self.model_name})" if self.model_name else ""
             raise RuntimeError(NO_SCORES.format(model=name))
+        if self._group is not None and self._group.waits_for(self):
+            self._group.flush()  # a new token: last token's folds, every member's victim
         L = keys.shape[2]
         self.token_bytes = (keys.nbytes + values.nbytes) // L
         self._slot, self._meta_pending = None, False
@@ -135,6 +143,12 @@ class H2OKVCache:
             return self._deferred_attention(queries, keys, values, scale)
         if self._queue.items:
             self._fold_queue()  # what follows reads the metadata (backing fields)
+        if self._group is not None:
+            if self._group_step(queries, mask, sinks):
+                out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
+                self._group.push(self, queries, scale)
+                return out
+            self._leave_group()
         plan = self._fused_plan(queries, keys, values, scale, mask, sinks)
         if plan is not None:
             return self._fused_step(plan, queries, keys, values, mask, sinks)
@@ -383,6 +397,24 @@ class H2OKVCache:
         step, seen = batch_fold(items, self.kv.keys[..., :n, :])
         self._score[..., :n] = self._score[..., :n] + step
         self._count[..., :n] = self._count[..., :n] + seen
+
+    # --- group steps (cache/group.py) -------------------------------------------
+    def groupable(self) -> bool:
+        """Whether this cache's evicting decode steps can join a StepGroup."""
+        return (self.window_size is None and self.storage_cls is DenseKV
+                and self.use_fused_step)
+
+    def _group_step(self, queries, mask, sinks) -> bool:
+        # The evicting steady state: the token went into a victim slot of a
+        # full cache, nothing masks the step.
+        return (self._slot is not None and mask is None and sinks is None
+                and self._n == self.max_size and type(self.kv) is DenseKV
+                and self.window_size is None and self._group.takes(self, queries))
+
+    def _leave_group(self):
+        """Take this cache's metadata back from its group (it folds what is pending)."""
+        if self._group is not None and self._group.holds(self):
+            self._group.release()
 
     # --- fused GPU decode step ---------------------------------------------------
     def _may_fold(self) -> bool:

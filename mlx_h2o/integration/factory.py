@@ -9,6 +9,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from .. import budgets
 from ..cache import H2OKVCache
+from ..cache.group import make_groups
 from ..config import H2OConfig, with_max_size
 from ..profiles import LayerProfile, load_profile, packaged_name, shipped_profile
 
@@ -81,6 +82,7 @@ def make_h2o_cache(
         caches[i] = cache_type(cfg, window_size=window)
         caches[i].model_name = name
         caches[i].set_fold_phase(len(layers) - 1 - j)  # layers fold apart
+    make_groups([caches[i] for i in layers])  # GPU: one fold launch per token
     return caches
 
 

@@ -183,4 +183,39 @@ def all_sources(backend: str) -> List[Tuple[str, str, str]]:
         for fused in (False, True):
             out.append((f"pass2 sinks={sinks} fused={fused}", *pass2_source(backend, sinks, fused)))
     out.append(("fold", *fold_source(backend)))
+    for n in (1, 3):
+        out.append((f"group layers={n}", *group_source(backend, n)))
     return out
+
+
+def group_names(n_layers: int):
+    """Input and output names of the group fold over ``n_layers`` layers."""
+    ks = [f"k{i}" for i in range(n_layers)]
+    inputs = ["q", *ks, "lay_i", "lay_f", "pos_in", "score_in", "count_in", "slot", "pin"]
+    outputs = ["pos_out", "score_out", "count_out", "victim", "logits"]
+    return inputs, outputs + [f"v{i}" for i in range(n_layers)]
+
+
+def group_source(backend: str, n_layers: int):
+    """(header, body) of the group fold (kernels/group_fold.py)."""
+    header, ids = _prelude(backend)
+    ksel = " : ".join(f"layer == {i} ? k{i}" for i in range(n_layers - 1))
+    ksel = f"{ksel} : k{n_layers - 1}" if ksel else f"k{n_layers - 1}"
+    vsel = "\n".join(f"        case {i}: v{i}[vb + i] = victim_s; break;"
+                     for i in range(n_layers))
+    body = Template(src.GROUP_FOLD).substitute(
+        IDS=ids, KSELECT=ksel, VSELECT=vsel,
+        FOLD=Template(src.FOLD).substitute(NV="prm_i[5]", NS="pos_in_shape[2]"),
+    )
+    return header, body
+
+
+@lru_cache(maxsize=None)
+def _make_group_kernel(n_layers: int):
+    """Group-fold kernel over ``n_layers`` layers, or None without a GPU backend.
+    Inputs are made row-contiguous: K buffers and queries are indexed flat."""
+    backend = gpu_backend()
+    if backend is None:
+        return None
+    return _kernel(backend, f"h2o_group{n_layers}", group_names(n_layers),
+                   *group_source(backend, n_layers), contiguous=True)

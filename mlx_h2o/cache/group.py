@@ -1,0 +1,215 @@
+"""StepGroup: several layers' evicting decode steps folded in one launch per token.
+
+A full H2O cache's decode step needs last token's scores folded and a victim
+picked before it writes. Per layer that was one custom launch per token, ~13 us
+of host time against ~1 us for MLX's SDPA (docs/GPU.md). In a group, a member
+in the evicting steady state writes its token into the victim slot, attends
+with MLX's SDPA and pushes its query here; the first member call of the next
+token folds every pushed query and picks every member's next victim at once
+(kernels.group_fold). The decisions are those of the per-layer step.
+
+While members take group steps, their positions / score / count live here,
+stacked (``_stack``); any other use of a member's metadata releases the group
+(folds what is pending, hands every member its rows back).
+"""
+
+from typing import List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .. import policy
+from ..kernels import scaled_dot_product_attention_with_scores
+from ..kernels.group_fold import group_fold, group_fold_supported, layer_params, max_layers
+from .storage import put_slot
+
+
+class StepGroup:
+    """Layers whose evicting decode steps fold together (one launch per token).
+
+    ``use_kernel``: None uses the GPU kernel where it runs and the reference
+    (the per-layer policy ops on the stacked state) elsewhere; False forces
+    the reference (tests); True requires the kernel.
+    """
+
+    def __init__(self, use_kernel: Optional[bool] = None):
+        self.use_kernel = use_kernel
+        self.members: List = []
+        self._pending = {}  # id(member) -> (member, query, slot)
+        self._stacked: Optional[List] = None  # members whose metadata is stacked here
+        self._ids = frozenset()
+        self._meta = None  # (positions, score, count): (n * B, Hk, M)
+        self._slot = None  # (n * B, Hk, 1[, D]) where each member's last token went
+        self._victims = None  # per stacked member: the victim array handed out
+        self._lay_i = self._lay_f = None
+        self._sig = None  # members' (queries, keys) signature: the first one seen
+
+    def add(self, cache) -> None:
+        self.members.append(cache)
+        cache._group = self
+
+    # --- what members call ------------------------------------------------------
+    def takes(self, cache, queries: mx.array) -> bool:
+        """Whether ``cache``'s decode query can be folded here: every member's
+        queries and keys must have the first member's shapes and dtypes."""
+        keys = cache.kv.keys
+        sig = (queries.shape, queries.dtype, keys.shape[1], keys.dtype, mx.default_device())
+        if self._sig is None:
+            runs = self.use_kernel is False or self._kernel_runs(queries, keys.shape[1])
+            self._sig = (sig, runs)
+        return self._sig == (sig, True)
+
+    def push(self, cache, queries: mx.array, scale: float) -> None:
+        """``cache`` wrote its token into ``cache._slot`` and attended: fold later."""
+        self._pending[id(cache)] = (cache, queries, cache._slot)
+        cache._group_scale = scale
+        cache._slot, cache._meta_pending, cache._pending = None, False, False
+
+    def holds(self, cache) -> bool:
+        return id(cache) in self._pending or id(cache) in self._ids
+
+    def waits_for(self, cache) -> bool:
+        """Whether ``cache``'s last query is not folded yet."""
+        return id(cache) in self._pending
+
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def release(self) -> None:
+        """Fold what is pending and give every member its metadata back."""
+        self.flush()
+        if self._stacked is not None:
+            self._unstack()
+        self._sig = None  # members may come back with other shapes (a new batch)
+
+    def flush(self) -> None:
+        """Fold every pushed query; each pushing member gets its next victim."""
+        if not self._pending:
+            return
+        items = [self._pending[id(m)] for m in self.members if id(m) in self._pending]
+        self._pending = {}
+        caches = [it[0] for it in items]
+        if self._stacked is not None and not self._continues(items):
+            self._unstack()
+        if self._stacked is None:
+            self._stack(caches, [it[2] for it in items])
+        queries = mx.concatenate([it[1] for it in items], axis=0)
+        offsets = [c.offset for c in caches]
+        if self._kernel_runs(queries, caches[0].kv.keys.shape[1]):
+            res = self._fold_kernel(caches, queries, offsets)
+        else:
+            res = self._fold_reference(caches, queries, offsets)
+        *self._meta, self._slot, self._victims = res
+        for c, v in zip(caches, self._victims):
+            c._victim = v
+
+    # --- stacking ---------------------------------------------------------------
+    def _continues(self, items) -> bool:
+        """The same members as the stacked ones, each having written where told."""
+        return (len(items) == len(self._stacked)
+                and all(c is s and slot is v for (c, _, slot), s, v
+                        in zip(items, self._stacked, self._victims)))
+
+    def _stack(self, caches, slots) -> None:
+        M = max(c._positions.shape[2] for c in caches)
+
+        def pad(a):
+            extra = M - a.shape[2]
+            return a if extra == 0 else mx.pad(a, [(0, 0), (0, 0), (0, extra)])
+
+        self._meta = [mx.concatenate([pad(getattr(c, name)) for c in caches], axis=0)
+                      for name in ("_positions", "_score", "_count")]
+        self._slot = mx.concatenate([s[..., 0] if s.ndim == 4 else s for s in slots], axis=0)
+        self._stacked, self._ids = caches, frozenset(id(c) for c in caches)
+        lay_i = [layer_params(0, c.config.sink_size, c.config.recent_budget, c._n,
+                              c.kv.capacity) for c in caches]
+        self._lay_i = np.array(lay_i, dtype=np.int32)
+        lay_f = [[c._group_scale, c.config.ema_alpha, 1.0 - c.config.ema_alpha, 0.0]
+                 for c in caches]
+        self._lay_f = mx.array(lay_f, dtype=mx.float32)
+
+    def _unstack(self) -> None:
+        pos, score, count = self._meta
+        B = pos.shape[0] // len(self._stacked)
+        for i, c in enumerate(self._stacked):
+            rows, cap = slice(i * B, (i + 1) * B), c._positions.shape[2]
+            c._positions, c._score, c._count = (
+                pos[rows, :, :cap], score[rows, :, :cap], count[rows, :, :cap])
+        self._stacked, self._ids, self._meta, self._slot, self._victims = (
+            None, frozenset(), None, None, None)
+
+    # --- the fold ---------------------------------------------------------------
+    def _kernel_runs(self, queries, n_kv_heads: int) -> bool:
+        if self.use_kernel is False:
+            return False
+        B, Hq, _, D = queries.shape
+        ok = group_fold_supported(queries.dtype, D, Hq, n_kv_heads)
+        if self.use_kernel and not ok:
+            raise ValueError("StepGroup(use_kernel=True): the group fold kernel does not "
+                             f"run here for {queries.dtype} queries {queries.shape}")
+        return ok and len(self.members) <= max_layers()
+
+    def _fold_kernel(self, caches, queries, offsets):
+        self._lay_i[:, 0] = offsets
+        cfg = caches[0].config
+        res = group_fold(queries, [c.kv.keys for c in caches], mx.array(self._lay_i),
+                         self._lay_f, *self._meta, self._slot, mode=cfg.score,
+                         pinned=cfg.pinned)
+        return res.positions, res.score, res.count, res.victim, res.victims
+
+    def _fold_reference(self, caches, queries, offsets):
+        """The per-layer policy ops on the stacked state (what the kernel computes)."""
+        pos, score, count = self._meta
+        B = pos.shape[0] // len(caches)
+        outs, victims = [], []
+        for i, (c, offset) in enumerate(zip(caches, offsets)):
+            rows = slice(i * B, (i + 1) * B)
+            outs.append(fold_layer(c.config, queries[rows], c.kv.keys, c._n, c._group_scale,
+                                   offset, pos[rows], score[rows], count[rows],
+                                   self._slot[rows]))
+            victims.append(outs[-1][3])
+        pos, score, count, _ = (mx.concatenate(x, axis=0) for x in zip(*outs))
+        return pos, score, count, mx.concatenate(victims, axis=0), victims
+
+
+def fold_layer(config, q, keys, n, scale, offset, pos, score, count, slot):
+    """One layer's fold and next victim, as its per-layer op path does them:
+    the token in ``slot`` gets position ``offset - 1`` and fresh scores, the
+    query's attention over the first n slots of ``keys`` is folded in, and the
+    victim is ranked at ``offset + 1``. Returns (positions, score, count,
+    victim (B, Hk, 1, D)) with slots >= n copied through."""
+    cfg = config
+    slot = slot if slot.ndim == 3 else slot[..., 0]
+    p, s, k = pos[..., :n], score[..., :n], count[..., :n]
+    p = put_slot(p, slot, mx.full(slot.shape, offset - 1, mx.int32))
+    s = put_slot(s, slot, mx.zeros(slot.shape, mx.float32))
+    k = put_slot(k, slot, mx.zeros(slot.shape, mx.float32))
+    kn = keys[..., :n, :]
+    _, logits, lse = scaled_dot_product_attention_with_scores(
+        q, kn, kn, scale=scale, mask=None, sinks=None, use_kernel=False)
+    s, k = policy.fold_scores(cfg.score, s, k, logits, lse, cfg.ema_alpha)
+    keep = policy.protected(p, offset + 1, cfg.sink_size, cfg.recent_budget, cfg.pinned)
+    pri = policy.priority(policy.eviction_score(cfg.score, s, k), keep, p, offset + 1)
+    victim = policy.select_victim(pri, p).astype(mx.int32)[..., None, None]
+    victim = mx.broadcast_to(victim, (*victim.shape[:3], keys.shape[3]))
+    tail = [a[..., n:] for a in (pos, score, count)]
+    return (*(mx.concatenate([x, t], axis=2) for x, t in zip((p, s, k), tail)), victim)
+
+
+def make_groups(caches, size: Optional[int] = None, use_kernel=None) -> List[StepGroup]:
+    """Group the caches that can take group steps: same score mode and pins
+    (the kernel's constants), at most ``size`` a group (default ``max_layers()``:
+    Metal binds few buffers per kernel; no groups without a GPU backend)."""
+    size = max_layers() if size is None else size
+    by_key = {}
+    for c in caches:
+        if getattr(c, "groupable", lambda: False)():
+            by_key.setdefault((c.config.score, c.config.pinned), []).append(c)
+    groups = []
+    for same in by_key.values():
+        for i in range(0, len(same) if size > 0 else 0, max(size, 1)):
+            g = StepGroup(use_kernel)
+            for c in same[i:i + size]:
+                g.add(c)
+            groups.append(g)
+    return groups

@@ -1,0 +1,114 @@
+"""Many layers' H2O decode folds in one launch (the evicting steady state).
+
+Each layer attends its decode query with MLX's SDPA after writing the token
+into the victim slot; at the next token one launch folds every layer's query
+into its scores and picks every layer's next victim. Per layer step that
+leaves what mlx-lm's caches launch (two K/V writes + SDPA), plus a share of
+this launch (docs/GPU.md, "One fold launch per token").
+"""
+
+from functools import lru_cache
+from typing import List, NamedTuple, Sequence
+
+import mlx.core as mx
+
+from .build import SCORE_MODES, _make_group_kernel, gpu_backend
+from .decode import NT
+
+# Metal binds at most 31 buffers per kernel, shape and stride arrays
+# included: 19 + 2 per layer.
+MAX_LAYERS = {"cuda": 64, "metal": 6}
+DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+
+
+class GroupFold(NamedTuple):
+    """Results of group_fold (new arrays; inputs are not modified)."""
+
+    positions: mx.array  # (n * B, Hk, M) int32, each layer's token slot set
+    score: mx.array  # (n * B, Hk, M) float32, the step folded in
+    count: mx.array  # (n * B, Hk, M) float32
+    victim: mx.array  # (n * B, Hk, 1, D) int32: every layer's next slot, stacked
+    logits: mx.array  # (n * B, Hq, M) float32, slots < valid of each layer
+    victims: List[mx.array]  # n x (B, Hk, 1, D) int32: the same, one per layer
+
+
+def max_layers() -> int:
+    """Layers one launch can take on this backend (0: no GPU backend)."""
+    return MAX_LAYERS.get(gpu_backend(), 0)
+
+
+def group_fold_supported(dtype, head_dim: int, n_heads: int, n_kv_heads: int) -> bool:
+    """Whether group_fold runs here for layers of these shapes."""
+    return (max_layers() > 0 and mx.default_device() == mx.gpu and dtype in DTYPES
+            and head_dim % 8 == 0 and 8 <= head_dim <= 256
+            and n_heads % n_kv_heads == 0 and n_heads // n_kv_heads <= 16)
+
+
+@lru_cache(maxsize=64)
+def _pins(pinned) -> mx.array:
+    return mx.array(list(pinned) or [(0, 0)], dtype=mx.int32)
+
+
+def layer_params(offset: int, sink_size: int, recent_budget: int, valid: int, cap: int):
+    """One layer's row of ``lay_i``: FOLD's prm_i (offset, -1: the token went
+    to ``slot``, no window, sink, recent, valid count) and the K buffer's slots."""
+    return [offset, -1, 0, sink_size, recent_budget, valid, cap, 0]
+
+
+class GroupPlan:
+    """The group fold for fixed shapes and settings; calls replay through mx.compile."""
+
+    def __init__(self, n, B, Hq, Hk, D, dtype, M, mode, pinned):
+        self.n, self.B, self.Hq, self.Hk, self.D, self.M = n, B, Hq, Hk, D, M
+        self.kernel = _make_group_kernel(n)
+        self.template = [("T", dtype), ("D", D), ("G", Hq // Hk), ("HK", Hk), ("NB", B),
+                         ("MODE", SCORE_MODES.index(mode))]
+        self.pins = _pins(pinned)
+        self._steady = mx.compile(self._launch)
+
+    def __call__(self, q, keys, lay_i, lay_f, positions, score, count, slot) -> GroupFold:
+        res = self._steady(q, *keys, lay_i, lay_f, positions, score, count, slot)
+        return GroupFold(*res[:5], list(res[5:]))
+
+    def _launch(self, q, *arrays):
+        keys, (lay_i, lay_f, pos, sc, cn, slot) = arrays[: self.n], arrays[self.n:]
+        n, B, Hq, Hk, D, M = self.n, self.B, self.Hq, self.Hk, self.D, self.M
+        i32, f32 = mx.int32, mx.float32
+        return self.kernel(
+            inputs=[q, *keys, lay_i, lay_f, pos, sc, cn, slot, self.pins],
+            template=self.template, grid=(n * B * Hk * NT, 1, 1), threadgroup=(NT, 1, 1),
+            output_shapes=[(n * B, Hk, M)] * 3 + [(n * B, Hk, 1, D), (n * B, Hq, M)]
+            + [(B, Hk, 1, D)] * n,
+            output_dtypes=[i32, f32, f32, i32, f32] + [i32] * n,
+        )
+
+
+@lru_cache(maxsize=16)
+def group_plan(n, B, Hq, Hk, D, dtype, M, mode, pinned) -> GroupPlan:
+    if mode not in SCORE_MODES:
+        raise ValueError(f"unknown score mode {mode!r}; use one of {SCORE_MODES}")
+    return GroupPlan(n, B, Hq, Hk, D, dtype, M, mode, pinned)
+
+
+def group_fold(q, keys: Sequence[mx.array], lay_i, lay_f, positions, score, count, slot,
+               *, mode: str, pinned=()) -> GroupFold:
+    """Fold one decode query per layer into its scores and pick its next victim.
+
+    Shapes (n layers, same B / heads / D / dtype):
+        q: (n * B, Hq, 1, D), the layers' queries stacked (mx.concatenate).
+        keys: n whole K buffers (B, Hk, cap_l, D), the token already written.
+        lay_i: (n, 8) int32 rows of ``layer_params``; lay_f: (n, 4) float32
+            rows (scale, EMA alpha, 1 - alpha, 0).
+        positions (int32), score, count (float32): (n * B, Hk, M), layer l's
+            rows l * B .. (l + 1) * B, slots >= its valid count copied through.
+        slot: (n * B, Hk, 1[, D]) int32, where each layer's token went.
+    Per layer as h2o_fold_step with logits ``scale * q @ k[:valid]`` (no mask).
+    """
+    n = len(keys)
+    B, Hk, _, D = keys[0].shape
+    Hq, M = q.shape[1], positions.shape[2]
+    if not group_fold_supported(q.dtype, D, Hq, Hk) or not 0 < n <= max_layers():
+        raise ValueError(f"group_fold: not supported here for {n} layers of "
+                         f"{q.dtype} queries {q.shape} (backend={gpu_backend()})")
+    plan = group_plan(n, B, Hq, Hk, D, q.dtype, M, mode, tuple(tuple(p) for p in pinned))
+    return plan(q, keys, lay_i, lay_f, positions, score, count, slot)

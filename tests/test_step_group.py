@@ -1,0 +1,187 @@
+"""Group steps (cache/group.py) against per-layer H2O caches.
+
+Layers in a StepGroup attend evicting decode steps with MLX's SDPA and fold
+their queries together at the next token; every decision must be the
+per-layer cache's: same kept positions, scores, counts and outputs. On the
+CPU the group runs its reference fold (the policy ops on the stacked state);
+the GPU kernel is checked against that reference in test_kernels_gpu.py and
+scripts/gpu_check.py.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_h2o import H2OConfig, H2OKVCache, make_h2o_cache
+from mlx_h2o.cache.group import make_groups
+from mlx_h2o.config import with_max_size
+from mlx_h2o.kernels import gpu_backend
+from tiny_models import VOCAB, teacher_forced, tiny_llama
+
+D, HQ, HK, B = 8, 4, 2, 2
+
+
+def layer_sets(cfgs):
+    """Per-layer caches and the same caches in one StepGroup (reference fold)."""
+    plain = [H2OKVCache(c) for c in cfgs]
+    grouped = [H2OKVCache(c) for c in cfgs]
+    for c in grouped:
+        c._group = None
+    make_groups(grouped, size=len(grouped), use_kernel=False)
+    return plain, grouped
+
+
+def token(caches, L, rng, mask=None, sinks=None):
+    """One forward step of a stack of layers: each gets its own random q/k/v."""
+    outs = []
+    for c in caches:
+        q, k, v = (mx.array(rng.standard_normal((B, h, L, D)).astype(np.float32))
+                   for h in (HQ, HK, HK))
+        m = c.make_mask(L) if mask is None else mask
+        keys, values = c.update_and_fetch(k * 3, v)
+        outs.append(c.h2o_attention(q, keys, values, scale=0.7, mask=m, sinks=sinks))
+    return outs
+
+
+def run(caches, seed, lengths, check=None):
+    rng = np.random.default_rng(seed)
+    outs = []
+    for i, L in enumerate(lengths):
+        outs.append([np.array(o) for o in token(caches, L, rng)])
+        if check is not None and i in check:
+            [c.positions for c in caches]  # reading the metadata releases the group
+    return outs
+
+
+def assert_same(a, b):
+    assert (a.offset, a.evicted, a.size()) == (b.offset, b.evicted, b.size())
+    n = b.size()
+    np.testing.assert_array_equal(np.array(a.positions[..., :n]), np.array(b.positions[..., :n]))
+    np.testing.assert_array_equal(np.array(a.score[..., :n]), np.array(b.score[..., :n]))
+    np.testing.assert_array_equal(np.array(a.count[..., :n]), np.array(b.count[..., :n]))
+
+
+def configs(mode="accumulated", sizes=(24, 40, 31)):
+    base = H2OConfig(max_size=40, sink_size=2, heavy_budget=15, score=mode, pinned=((5, 7),))
+    return [with_max_size(base, s) for s in sizes]
+
+
+@pytest.mark.parametrize("mode", ["accumulated", "normalized", "ema", "attention_ema"])
+@pytest.mark.parametrize("check", [(), (30, 31, 55)])
+def test_group_equals_per_layer(mode, check):
+    plain, grouped = layer_sets(configs(mode))
+    lengths = [5] + [1] * 30 + [4] + [1] * 40
+    a = run(plain, 0, lengths, check)
+    b = run(grouped, 0, lengths, check)
+    for x, y in zip(a, b):
+        for u, v in zip(x, y):
+            np.testing.assert_allclose(u, v, rtol=1e-4, atol=1e-5)
+    for p, g in zip(plain, grouped):
+        assert_same(g, p)
+        assert p.evicted > 0
+    group = grouped[0]._group
+    assert group._stacked is None and not group.has_pending()  # reading released it
+
+
+def test_group_steps_are_taken_and_stacked():
+    """The steady state really runs through the group: metadata stacked, the
+    members' victims handed out by the fold, no per-layer fold."""
+    plain, grouped = layer_sets(configs())
+    run(grouped, 1, [5] + [1] * 60)
+    group = grouped[0]._group
+    assert group.has_pending() and group._stacked == grouped
+    assert group._meta[0].shape == (3 * B, HK, 40)  # padded to the largest layer
+    # The next token's first update folds every member at once.
+    rng = np.random.default_rng(9)
+    k = mx.array(rng.standard_normal((B, HK, 1, D)).astype(np.float32))
+    grouped[0].update_and_fetch(k, k)
+    assert not group.has_pending()
+    # Member 0 wrote its token where the fold told it; the others are told.
+    assert grouped[0]._slot is group._victims[0] and grouped[0]._victim is None
+    assert all(c._victim is v for c, v in zip(grouped[1:], group._victims[1:]))
+
+
+def test_release_mid_token_and_masked_step():
+    """A masked step of one layer in the middle of a token releases the group:
+    the layers before it fold, the rest keep their victims; decisions unchanged."""
+    plain, grouped = layer_sets(configs())
+    for caches in (plain, grouped):
+        rng = np.random.default_rng(4)
+        for L in [5] + [1] * 50:
+            token(caches, L, rng)
+        # A token whose middle layer gets an explicit (all-true) mask.
+        mask = mx.ones((1, 1, 1, caches[1].size()), dtype=mx.bool_)
+        for i, c in enumerate(caches):
+            q, k, v = (mx.array(rng.standard_normal((B, h, 1, D)).astype(np.float32))
+                       for h in (HQ, HK, HK))
+            keys, values = c.update_and_fetch(k * 3, v)
+            c.h2o_attention(q, keys, values, scale=0.7, mask=mask if i == 1 else None)
+        for _ in range(10):
+            token(caches, 1, rng)
+    for p, g in zip(plain, grouped):
+        assert_same(g, p)
+
+
+def test_trim_and_state_round_trip():
+    plain, grouped = layer_sets(configs())
+    for caches in (plain, grouped):
+        rng = np.random.default_rng(7)
+        for L in [5] + [1] * 50:
+            token(caches, L, rng)
+        for c in caches:
+            c.trim(3)
+        for L in [1] * 5:
+            token(caches, L, rng)
+        states = [c.state for c in caches]
+        for c, st in zip(caches, states):
+            c.state = st
+        for L in [1] * 8:
+            token(caches, L, rng)
+    for p, g in zip(plain, grouped):
+        assert_same(g, p)
+
+
+def test_members_with_other_shapes_step_alone():
+    """A member whose queries differ from the first member's (here: head dim)
+    takes per-layer steps; the others still fold together."""
+    cfg = configs(sizes=(20, 20))
+    plain, grouped = layer_sets(cfg)
+    rng = np.random.default_rng(2)
+    for L in [5] + [1] * 30:
+        for c, d in zip(grouped, (D, 2 * D)):
+            q, k, v = (mx.array(rng.standard_normal((B, h, L, d)).astype(np.float32))
+                       for h in (HQ, HK, HK))
+            keys, values = c.update_and_fetch(k, v)
+            c.h2o_attention(q, keys, values, scale=0.5, mask=c.make_mask(L))
+    group = grouped[0]._group
+    assert group._stacked == [grouped[0]]
+    assert grouped[1].evicted > 0 and grouped[1].positions.shape[2] == 20
+
+
+def test_factory_groups_only_with_a_gpu_backend():
+    model = tiny_llama(num_hidden_layers=5)
+    caches = make_h2o_cache(model, H2OConfig(max_size=16), layer_budget="uniform")
+    on_gpu = gpu_backend() is not None and mx.default_device() == mx.gpu
+    assert all((c._group is not None) == on_gpu for c in caches)
+    groups = make_groups(caches, size=2, use_kernel=False)
+    assert [len(g.members) for g in groups] == [2, 2, 1]
+    assert all(c._group is g for g in groups for c in g.members)
+    assert make_groups(caches, size=0) == []
+
+
+def test_model_decode_matches_per_layer_caches():
+    """A tiny llama, teacher forced past its budget: grouped and per-layer caches
+    keep the same tokens and give the same logits."""
+    model = tiny_llama()
+    cfg = H2OConfig(max_size=24, sink_size=2, heavy_budget=10)
+    tokens = mx.array(np.random.default_rng(5).integers(0, VOCAB, (1, 70)))
+    plain = make_h2o_cache(model, cfg, layer_budget="uniform")
+    grouped = make_h2o_cache(model, cfg, layer_budget="uniform")
+    for c in grouped:
+        c._group = None
+    make_groups(grouped, use_kernel=False, size=len(grouped))
+    a = teacher_forced(model, plain, tokens, prefill=8)
+    b = teacher_forced(model, grouped, tokens, prefill=8)
+    np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-4)
+    for p, g in zip(plain, grouped):
+        assert_same(g, p)
