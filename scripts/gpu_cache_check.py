@@ -67,8 +67,12 @@ def check_correctness(dtype, max_size=64, steps=150):
         same_kept = all(np.array_equal(x, y) for x, y in zip(kept, kept_ref))
         err = mx.abs(a - b).max().item()
         agree = (a.argmax(-1) == b.argmax(-1)).astype(mx.float32).mean().item()
+        # The group path attends with MLX's SDPA, the others with our kernel:
+        # same decisions, logits equal up to rounding (a near tie may flip).
+        close = agree == 1.0 if path == "fused" else (
+            agree >= 0.99 and err <= (1e-2 if dtype == mx.float32 else 2e-2))
         good = (same_kept and ca[0].evicted == cb[0].evicted == 100 + steps - max_size
-                and agree == 1.0 and taken)
+                and close and taken)
         print(f"correctness dtype={dtype} max_size={max_size} path={path} taken={taken} "
               f"same_kept={same_kept} evicted={ca[0].evicted} "
               f"max_logit_err={err:.3g} greedy_agree={agree:.3f} -> "

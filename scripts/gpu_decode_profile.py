@@ -148,7 +148,15 @@ def strategies(model, context, budget):
         "rotating": lambda: [RotatingKVCache(max_size=budget, keep=4) for _ in range(n)],
         "h2o_no_evict": lambda: make_h2o_cache(model, H2OConfig(max_size=context + 512)),
         "h2o_evict": lambda: make_h2o_cache(model, H2OConfig(max_size=budget, heavy_budget=budget // 2)),
+        "h2o_perlayer": lambda: _per_layer(make_h2o_cache(
+            model, H2OConfig(max_size=budget, heavy_budget=budget // 2))),
     }
+
+
+def _per_layer(cache):
+    for c in cache:
+        c._group = None  # the fused launch per layer (no group fold)
+    return cache
 
 
 def decode_split(model, cache, context, steps, profile=False):

@@ -54,11 +54,14 @@ def run(caches, seed, lengths, check=None):
 
 
 def assert_same(a, b):
+    """Same decisions; on the CPU (both sides the policy ops) the same scores,
+    on a GPU (per-layer fused kernel vs reference fold) up to summation order."""
     assert (a.offset, a.evicted, a.size()) == (b.offset, b.evicted, b.size())
     n = b.size()
     np.testing.assert_array_equal(np.array(a.positions[..., :n]), np.array(b.positions[..., :n]))
-    np.testing.assert_array_equal(np.array(a.score[..., :n]), np.array(b.score[..., :n]))
-    np.testing.assert_array_equal(np.array(a.count[..., :n]), np.array(b.count[..., :n]))
+    tol = 0 if mx.default_device() == mx.cpu else 1e-5
+    for x, y in ((a.score, b.score), (a.count, b.count)):
+        np.testing.assert_allclose(np.array(x[..., :n]), np.array(y[..., :n]), rtol=tol, atol=tol)
 
 
 def configs(mode="accumulated", sizes=(24, 40, 31)):
