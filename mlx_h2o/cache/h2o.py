@@ -408,7 +408,8 @@ class H2OKVCache:
         # The evicting steady state: the token went into a victim slot of a
         # full cache, nothing masks the step.
         return (self._slot is not None and mask is None and sinks is None
-                and self._n == self.max_size and type(self.kv) is DenseKV
+                and self.use_fused_step and self._n == self.max_size
+                and type(self.kv) is DenseKV
                 and self.window_size is None and self._group.takes(self, queries))
 
     def _leave_group(self):

@@ -145,6 +145,109 @@ const int kpos = key == w ? Q : pos_in[pbase + key * pst];
   const i64 pst = pos_in_strides[2];
 
 """#,
+        "GROUP_FOLD": #"""
+
+$IDS
+  constexpr int NT = 128;
+  constexpr int NG = NT / 32;
+  constexpr int E = 8;  // K elements per load (D % 8 == 0)
+  const int layer = blk_x / (NB * HK);
+  const int bq = (blk_x / HK) % NB;
+  const int hq0 = (blk_x % HK) * G;
+  auto prm_i = lay_i + layer * 8;
+  auto prm_f = lay_f + layer * 4;
+  const int nv = prm_i[5];
+  const i64 kcap = prm_i[6];
+  auto kl = $KSELECT;
+  kl += ((i64)bq * HK + blk_x % HK) * kcap * D;
+  const int NSL = pos_in_shape[2];  // logits row stride: the stacked slot count
+  const i64 lrow = ((i64)(layer * NB + bq) * HK * G + hq0) * NSL;
+  const float scale = prm_f[0];
+
+  H2O_SHARED float q_s[G * D];
+  for (int i = tid; i < G * D; i += NT) {
+    q_s[i] = static_cast<float>(q[((i64)(layer * NB + bq) * HK * G + hq0) * D + i]);
+  }
+  H2O_BARRIER();
+  // A thread per key: the G logits of its row, an online (max, sum) per head.
+  const bool kvec = H2O_ALIGNED16(kl);
+  float m_[G];
+  float l_[G];
+  H2O_UNROLL
+  for (int g = 0; g < G; ++g) {
+    m_[g] = -H2O_INF;
+    l_[g] = 0.0f;
+  }
+  for (int s = tid; s < nv; s += NT) {
+    float acc[G];
+    H2O_UNROLL
+    for (int g = 0; g < G; ++g) acc[g] = 0.0f;
+    for (int d0 = 0; d0 < D; d0 += E) {
+      H2ORaw<T, E> kr;
+      h2o_fetch<E>(kl + (i64)s * D + d0, 1, kvec, kr);
+      float kf[E];
+      h2o_cvt<E>(kr, kf);
+      H2O_UNROLL
+      for (int g = 0; g < G; ++g) {
+        H2O_UNROLL
+        for (int e = 0; e < E; ++e) acc[g] += q_s[g * D + d0 + e] * kf[e];
+      }
+    }
+    H2O_UNROLL
+    for (int g = 0; g < G; ++g) {
+      const float x = acc[g] * scale;
+      logits[lrow + (i64)g * NSL + s] = x;
+      const float mn = H2O_FMAX(m_[g], x);
+      l_[g] = l_[g] * H2O_EXP(m_[g] - mn) + H2O_EXP(x - mn);
+      m_[g] = mn;
+    }
+  }
+  H2O_SHARED float gm_s[NG * G];
+  H2O_SHARED float gl_s[NG * G];
+  H2O_SHARED float lse_sh[G];
+  H2O_UNROLL
+  for (int g = 0; g < G; ++g) {
+    float m = m_[g];
+    float l = l_[g];
+    for (int off = 16; off > 0; off >>= 1) {
+      const float m2 = H2O_SHFL_XOR(m, off);
+      const float l2 = H2O_SHFL_XOR(l, off);
+      const float mn = H2O_FMAX(m, m2);
+      if (mn > -H2O_INF) {
+        l = (m > -H2O_INF ? l * H2O_EXP(m - mn) : 0.0f)
+            + (m2 > -H2O_INF ? l2 * H2O_EXP(m2 - mn) : 0.0f);
+      }
+      m = mn;
+    }
+    if (lane == 0) {
+      gm_s[warp * G + g] = m;
+      gl_s[warp * G + g] = l;
+    }
+  }
+  H2O_BARRIER();
+  if (tid < G) {
+    float M = -H2O_INF;
+    for (int j = 0; j < NG; ++j) M = H2O_FMAX(M, gm_s[j * G + tid]);
+    float S = 0.0f;
+    for (int j = 0; j < NG; ++j) {
+      const float mj = gm_s[j * G + tid];
+      S += mj > -H2O_INF ? gl_s[j * G + tid] * H2O_EXP(mj - M) : 0.0f;
+    }
+    lse_sh[tid] = H2O_LOG(S) + M;
+  }
+$FOLD
+  // Each layer's victim also as its own (B, HK, 1, D) array: the layer's K/V
+  // writes take it as is (no slice node per layer).
+  {
+    const i64 vb = ((i64)bq * HK + blk_x % HK) * D;
+    for (int i = tid; i < D; i += NT) {
+      switch (layer) {
+$VSELECT
+      }
+    }
+  }
+
+"""#,
         "MASK_ADD": #"""
 x_ += static_cast<float>(mask[moff + (i64)key * mst3]);
 """#,
