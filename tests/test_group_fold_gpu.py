@@ -29,7 +29,8 @@ def test_group_source_shares_the_body(n):
     assert cuda.replace(source.CUDA_IDS, "") == metal.replace(source.METAL_IDS, "")
     assert all(f"case {i}: v{i}[" in cuda for i in range(n))
     inputs, outputs = build.group_names(n)
-    assert inputs[1:n + 1] == [f"k{i}" for i in range(n)] and outputs[-1] == f"v{n - 1}"
+    assert inputs[:2 * n] == [f"q{i}" for i in range(n)] + [f"k{i}" for i in range(n)]
+    assert outputs[-1] == f"v{n - 1}"
 
 
 def layer_state(rng, B, Hk, cap, n, M, offset):
@@ -55,7 +56,8 @@ def test_group_fold_matches_reference(mode, dtype, D, Hq, Hk):
                      pinned=((100, 120),))
     cfgs = [with_max_size(base, s) for s in sizes]
     M = max(caps)
-    q = mx.array(rng.standard_normal((len(sizes) * B, Hq, 1, D)).astype(np.float32)).astype(dtype)
+    qs = [mx.array(rng.standard_normal((B, Hq, 1, D)).astype(np.float32)).astype(dtype)
+          for _ in sizes]
     keys, state = [], []
     for n, cap in zip(sizes, caps):
         keys.append(mx.array(rng.standard_normal((B, Hk, cap, D)).astype(np.float32)).astype(dtype))
@@ -66,13 +68,13 @@ def test_group_fold_matches_reference(mode, dtype, D, Hq, Hk):
                       for c, n, cap in zip(cfgs, sizes, caps)], dtype=mx.int32)
     lay_f = mx.array([[scale, c.ema_alpha, 1.0 - c.ema_alpha, 0.0] for c in cfgs], mx.float32)
     assert group_fold_supported(dtype, D, Hq, Hk)
-    res = group_fold(q, keys, lay_i, lay_f, pos, score, count, slot, mode=mode,
+    res = group_fold(qs, keys, lay_i, lay_f, pos, score, count, slot, mode=mode,
                      pinned=base.pinned)
     mx.eval(res)
     for i, (c, n, k) in enumerate(zip(cfgs, sizes, keys)):
         rows = slice(i * B, (i + 1) * B)
         with mx.stream(mx.cpu):
-            want = fold_layer(c, q[rows], k, n, scale, offset, pos[rows], score[rows],
+            want = fold_layer(c, qs[i], k, n, scale, offset, pos[rows], score[rows],
                               count[rows], slot[rows])
             want = [np.array(x) for x in want]
         got = [np.array(x[rows]) for x in (res.positions, res.score, res.count, res.victim)]

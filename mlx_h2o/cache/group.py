@@ -93,9 +93,9 @@ class StepGroup:
             self._unstack()
         if self._stacked is None:
             self._stack(caches, [it[2] for it in items])
-        queries = mx.concatenate([it[1] for it in items], axis=0)
+        queries = [it[1] for it in items]
         offsets = [c.offset for c in caches]
-        if self._kernel_runs(queries, caches[0].kv.keys.shape[1]):
+        if self._kernel_runs(queries[0], caches[0].kv.keys.shape[1]):
             res = self._fold_kernel(caches, queries, offsets)
         else:
             res = self._fold_reference(caches, queries, offsets)
@@ -164,7 +164,7 @@ class StepGroup:
         outs, victims = [], []
         for i, (c, offset) in enumerate(zip(caches, offsets)):
             rows = slice(i * B, (i + 1) * B)
-            outs.append(fold_layer(c.config, queries[rows], c.kv.keys, c._n, c._group_scale,
+            outs.append(fold_layer(c.config, queries[i], c.kv.keys, c._n, c._group_scale,
                                    offset, pos[rows], score[rows], count[rows],
                                    self._slot[rows]))
             victims.append(outs[-1][3])

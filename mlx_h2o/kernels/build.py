@@ -190,8 +190,8 @@ def all_sources(backend: str) -> List[Tuple[str, str, str]]:
 
 def group_names(n_layers: int):
     """Input and output names of the group fold over ``n_layers`` layers."""
-    ks = [f"k{i}" for i in range(n_layers)]
-    inputs = ["q", *ks, "lay_i", "lay_f", "pos_in", "score_in", "count_in", "slot", "pin"]
+    qs, ks = [f"q{i}" for i in range(n_layers)], [f"k{i}" for i in range(n_layers)]
+    inputs = [*qs, *ks, "lay_i", "lay_f", "pos_in", "score_in", "count_in", "slot", "pin"]
     outputs = ["pos_out", "score_out", "count_out", "victim", "logits"]
     return inputs, outputs + [f"v{i}" for i in range(n_layers)]
 
@@ -199,12 +199,15 @@ def group_names(n_layers: int):
 def group_source(backend: str, n_layers: int):
     """(header, body) of the group fold (kernels/group_fold.py)."""
     header, ids = _prelude(backend)
-    ksel = " : ".join(f"layer == {i} ? k{i}" for i in range(n_layers - 1))
-    ksel = f"{ksel} : k{n_layers - 1}" if ksel else f"k{n_layers - 1}"
+
+    def select(name):  # layer == 0 ? name0 : layer == 1 ? name1 : ... : name{n-1}
+        head = "".join(f"layer == {i} ? {name}{i} : " for i in range(n_layers - 1))
+        return f"{head}{name}{n_layers - 1}"
+
     vsel = "\n".join(f"        case {i}: v{i}[vb + i] = victim_s; break;"
                      for i in range(n_layers))
     body = Template(src.GROUP_FOLD).substitute(
-        IDS=ids, KSELECT=ksel, VSELECT=vsel,
+        IDS=ids, KSELECT=select("k"), QSELECT=select("q"), VSELECT=vsel,
         FOLD=Template(src.FOLD).substitute(NV="prm_i[5]", NS="pos_in_shape[2]"),
     )
     return header, body

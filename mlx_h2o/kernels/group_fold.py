@@ -16,8 +16,8 @@ from .build import SCORE_MODES, _make_group_kernel, gpu_backend
 from .decode import NT
 
 # Metal binds at most 31 buffers per kernel, shape and stride arrays
-# included: 19 + 2 per layer.
-MAX_LAYERS = {"cuda": 64, "metal": 6}
+# included: 19 + 3 per layer.
+MAX_LAYERS = {"cuda": 64, "metal": 4}
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 
@@ -66,16 +66,17 @@ class GroupPlan:
         self.pins = _pins(pinned)
         self._steady = mx.compile(self._launch)
 
-    def __call__(self, q, keys, lay_i, lay_f, positions, score, count, slot) -> GroupFold:
-        res = self._steady(q, *keys, lay_i, lay_f, positions, score, count, slot)
+    def __call__(self, queries, keys, lay_i, lay_f, positions, score, count, slot) -> GroupFold:
+        res = self._steady(*queries, *keys, lay_i, lay_f, positions, score, count, slot)
         return GroupFold(*res[:5], list(res[5:]))
 
-    def _launch(self, q, *arrays):
-        keys, (lay_i, lay_f, pos, sc, cn, slot) = arrays[: self.n], arrays[self.n:]
+    def _launch(self, *arrays):
+        n = self.n
+        qs, keys, (lay_i, lay_f, pos, sc, cn, slot) = arrays[:n], arrays[n:2 * n], arrays[2 * n:]
         n, B, Hq, Hk, D, M = self.n, self.B, self.Hq, self.Hk, self.D, self.M
         i32, f32 = mx.int32, mx.float32
         return self.kernel(
-            inputs=[q, *keys, lay_i, lay_f, pos, sc, cn, slot, self.pins],
+            inputs=[*qs, *keys, lay_i, lay_f, pos, sc, cn, slot, self.pins],
             template=self.template, grid=(n * B * Hk * NT, 1, 1), threadgroup=(NT, 1, 1),
             output_shapes=[(n * B, Hk, M)] * 3 + [(n * B, Hk, 1, D), (n * B, Hq, M)]
             + [(B, Hk, 1, D)] * n,
@@ -90,12 +91,13 @@ def group_plan(n, B, Hq, Hk, D, dtype, M, mode, pinned) -> GroupPlan:
     return GroupPlan(n, B, Hq, Hk, D, dtype, M, mode, pinned)
 
 
-def group_fold(q, keys: Sequence[mx.array], lay_i, lay_f, positions, score, count, slot,
-               *, mode: str, pinned=()) -> GroupFold:
+def group_fold(queries: Sequence[mx.array], keys: Sequence[mx.array], lay_i, lay_f, positions,
+               score, count, slot, *, mode: str, pinned=()) -> GroupFold:
     """Fold one decode query per layer into its scores and pick its next victim.
 
     Shapes (n layers, same B / heads / D / dtype):
-        q: (n * B, Hq, 1, D), the layers' queries stacked (mx.concatenate).
+        queries: n decode queries (B, Hq, 1, D), one per layer (separate
+            inputs: stacking them cost one copy kernel per layer).
         keys: n whole K buffers (B, Hk, cap_l, D), the token already written.
         lay_i: (n, 8) int32 rows of ``layer_params``; lay_f: (n, 4) float32
             rows (scale, EMA alpha, 1 - alpha, 0).
@@ -104,11 +106,13 @@ def group_fold(q, keys: Sequence[mx.array], lay_i, lay_f, positions, score, coun
         slot: (n * B, Hk, 1[, D]) int32, where each layer's token went.
     Per layer as h2o_fold_step with logits ``scale * q @ k[:valid]`` (no mask).
     """
-    n = len(keys)
+    n, q = len(keys), queries[0]
     B, Hk, _, D = keys[0].shape
     Hq, M = q.shape[1], positions.shape[2]
-    if not group_fold_supported(q.dtype, D, Hq, Hk) or not 0 < n <= max_layers():
-        raise ValueError(f"group_fold: not supported here for {n} layers of "
-                         f"{q.dtype} queries {q.shape} (backend={gpu_backend()})")
+    if (not group_fold_supported(q.dtype, D, Hq, Hk) or not 0 < n <= max_layers()
+            or len(queries) != n):
+        raise ValueError(f"group_fold: not supported here for {len(queries)} queries and "
+                         f"{n} K buffers of {q.dtype} queries {q.shape} "
+                         f"(backend={gpu_backend()})")
     plan = group_plan(n, B, Hq, Hk, D, q.dtype, M, mode, tuple(tuple(p) for p in pinned))
-    return plan(q, keys, lay_i, lay_f, positions, score, count, slot)
+    return plan(queries, keys, lay_i, lay_f, positions, score, count, slot)

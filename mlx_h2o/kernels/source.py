@@ -618,8 +618,8 @@ FOLD_PASS1_LSE = r"""
 
 # Many layers' decode steps folded in one launch (kernels/group_fold.py): one
 # block per (layer, sequence, KV head) computes the group's logits of the
-# layer's last decode query over its K buffer (inputs k0, k1, ...: one per
-# layer),
+# layer's last decode query (inputs q0, q1, ...) over its K buffer (k0, k1,
+# ...; one input per layer, so nothing is copied to stack them),
 # their lse, then runs FOLD on the layers' stacked metadata, where row
 # b = layer * NB + sequence. Per-layer parameters: lay_i (8 ints: FOLD's prm_i
 # then the K buffer's slot count) and lay_f (scale, EMA a, EMA b, 0).
@@ -637,13 +637,14 @@ $IDS
   const i64 kcap = prm_i[6];
   auto kl = $KSELECT;
   kl += ((i64)bq * HK + blk_x % HK) * kcap * D;
+  auto ql = $QSELECT;  // (B, Hq, 1, D)
   const int NSL = pos_in_shape[2];  // logits row stride: the stacked slot count
   const i64 lrow = ((i64)(layer * NB + bq) * HK * G + hq0) * NSL;
   const float scale = prm_f[0];
 
   H2O_SHARED float q_s[G * D];
   for (int i = tid; i < G * D; i += NT) {
-    q_s[i] = static_cast<float>(q[((i64)(layer * NB + bq) * HK * G + hq0) * D + i]);
+    q_s[i] = static_cast<float>(ql[((i64)bq * HK * G + hq0) * D + i]);
   }
   H2O_BARRIER();
   // A thread per key: the G logits of its row, an online (max, sum) per head.

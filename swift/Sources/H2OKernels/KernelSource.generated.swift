@@ -160,13 +160,14 @@ $IDS
   const i64 kcap = prm_i[6];
   auto kl = $KSELECT;
   kl += ((i64)bq * HK + blk_x % HK) * kcap * D;
+  auto ql = $QSELECT;  // (B, Hq, 1, D)
   const int NSL = pos_in_shape[2];  // logits row stride: the stacked slot count
   const i64 lrow = ((i64)(layer * NB + bq) * HK * G + hq0) * NSL;
   const float scale = prm_f[0];
 
   H2O_SHARED float q_s[G * D];
   for (int i = tid; i < G * D; i += NT) {
-    q_s[i] = static_cast<float>(q[((i64)(layer * NB + bq) * HK * G + hq0) * D + i]);
+    q_s[i] = static_cast<float>(ql[((i64)bq * HK * G + hq0) * D + i]);
   }
   H2O_BARRIER();
   // A thread per key: the G logits of its row, an online (max, sum) per head.
