@@ -83,3 +83,6 @@ def test_group_fold_matches_reference(mode, dtype, D, Hq, Hk):
         np.testing.assert_array_equal(got[2], want[2])
         np.testing.assert_array_equal(got[3], want[3])
         np.testing.assert_array_equal(np.array(res.victims[i]), want[3])
+    want_lay = np.array(lay_i)
+    want_lay[:, 0] += 1
+    np.testing.assert_array_equal(np.array(res.lay_i), want_lay)

@@ -192,7 +192,7 @@ def group_names(n_layers: int):
     """Input and output names of the group fold over ``n_layers`` layers."""
     qs, ks = [f"q{i}" for i in range(n_layers)], [f"k{i}" for i in range(n_layers)]
     inputs = [*qs, *ks, "lay_i", "lay_f", "pos_in", "score_in", "count_in", "slot", "pin"]
-    outputs = ["pos_out", "score_out", "count_out", "victim", "logits"]
+    outputs = ["pos_out", "score_out", "count_out", "victim", "logits", "lay_out"]
     return inputs, outputs + [f"v{i}" for i in range(n_layers)]
 
 

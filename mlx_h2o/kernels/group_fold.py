@@ -29,6 +29,7 @@ class GroupFold(NamedTuple):
     count: mx.array  # (n * B, Hk, M) float32
     victim: mx.array  # (n * B, Hk, 1, D) int32: every layer's next slot, stacked
     logits: mx.array  # (n * B, Hq, M) float32, slots < valid of each layer
+    lay_i: mx.array  # (n, 8) int32: ``lay_i`` of the next token (offset + 1)
     victims: List[mx.array]  # n x (B, Hk, 1, D) int32: the same, one per layer
 
 
@@ -68,7 +69,7 @@ class GroupPlan:
 
     def __call__(self, queries, keys, lay_i, lay_f, positions, score, count, slot) -> GroupFold:
         res = self._steady(*queries, *keys, lay_i, lay_f, positions, score, count, slot)
-        return GroupFold(*res[:5], list(res[5:]))
+        return GroupFold(*res[:6], list(res[6:]))
 
     def _launch(self, *arrays):
         n = self.n
@@ -78,9 +79,9 @@ class GroupPlan:
         return self.kernel(
             inputs=[*qs, *keys, lay_i, lay_f, pos, sc, cn, slot, self.pins],
             template=self.template, grid=(n * B * Hk * NT, 1, 1), threadgroup=(NT, 1, 1),
-            output_shapes=[(n * B, Hk, M)] * 3 + [(n * B, Hk, 1, D), (n * B, Hq, M)]
+            output_shapes=[(n * B, Hk, M)] * 3 + [(n * B, Hk, 1, D), (n * B, Hq, M), (n, 8)]
             + [(B, Hk, 1, D)] * n,
-            output_dtypes=[i32, f32, f32, i32, f32] + [i32] * n,
+            output_dtypes=[i32, f32, f32, i32, f32, i32] + [i32] * n,
         )
 
 

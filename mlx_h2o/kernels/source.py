@@ -633,6 +633,9 @@ $IDS
   const int hq0 = (blk_x % HK) * G;
   auto prm_i = lay_i + layer * 8;
   auto prm_f = lay_f + layer * 4;
+  // The next token's parameters, offset + 1: they stay on the device (an
+  // array the host writes every token costs the GPU a slow first read).
+  if (bq == 0 && blk_x % HK == 0 && tid < 8) lay_out[layer * 8 + tid] = prm_i[tid] + (tid == 0);
   const int nv = prm_i[5];
   const i64 kcap = prm_i[6];
   auto kl = $KSELECT;
