@@ -134,8 +134,11 @@ def constants(kind: str, kw: dict, dtype: str, D: int, G: int, HK: int, L: int):
     not know gets all of them (the run prints a note)."""
     if kind == "fold":  # h2o_fold_step
         return [("G", G), ("HK", HK), ("D", 1), ("MODE", 0)]
-    if kind == "group":  # group_fold.GroupPlan
-        return [("T", dtype), ("D", D), ("G", G), ("HK", HK), ("NB", 1), ("MODE", 0)]
+    if kind == "group":  # group_fold.GroupPlan (quantized: 4-bit codes, groups of 64)
+        q = kw.get("quantized", False)
+        t = [("T", dtype), ("D", D), ("G", G), ("HK", HK), ("NB", 1), ("MODE", 0),
+             ("VD", 1 if q else D)]
+        return t + ([("BITS", 4), ("GS", 64)] if q else [])
     fused = kw.get("fused", kind not in ("pass1", "pass2"))
     L = 1 if fused else L  # the fused step has one query
     lay = layout(D, 4 if dtype == "float32" else 2, G, L, KEYS_PER_LANE_GROUP)
@@ -161,8 +164,9 @@ def build_kernels(D: int, G: int, HK: int, L: int) -> List[Kernel]:
                 raise SystemExit(f"{label}: no build.{kind}_names() to give its inputs")
             inputs, outputs = names(*kw.values())
             types = {"mask": "bool"} if kw.get("mask") == "bool" else {}
-            if kind == "group":  # per-layer victims v0, v1, ...
+            if kind == "group":  # per-layer victims v0, v1, ...; quantized codes kw0, ...
                 types.update({n: "int32_t" for n in outputs if n[1:].isdigit()})
+                types.update({n: "uint32_t" for n in inputs if n.startswith("kw")})
             if kind not in KNOWN_KINDS:
                 label += " (constants guessed)"
             template = partial(constants, kind, kw, D=D, G=G, HK=HK, L=L)

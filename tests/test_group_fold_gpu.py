@@ -21,16 +21,18 @@ needs_gpu = pytest.mark.skipif(build.gpu_backend() is None,
                                reason="needs MLX with Metal or CUDA")
 
 
+@pytest.mark.parametrize("quantized", [False, True])
 @pytest.mark.parametrize("n", [1, 2, 7])
-def test_group_source_shares_the_body(n):
-    _, cuda = build.group_source("cuda", n)
-    _, metal = build.group_source("metal", n)
+def test_group_source_shares_the_body(n, quantized):
+    _, cuda = build.group_source("cuda", n, quantized)
+    _, metal = build.group_source("metal", n, quantized)
     assert "$" not in cuda and cuda.count("{") == cuda.count("}")
     assert cuda.replace(source.CUDA_IDS, "") == metal.replace(source.METAL_IDS, "")
     assert all(f"case {i}: v{i}[" in cuda for i in range(n))
-    inputs, outputs = build.group_names(n)
-    assert inputs[:2 * n] == [f"q{i}" for i in range(n)] + [f"k{i}" for i in range(n)]
-    assert outputs[-1] == f"v{n - 1}"
+    inputs, outputs = build.group_names(n, quantized)
+    ks = [f"{p}{i}" for p in (("kw", "ks", "kb") if quantized else ("k",)) for i in range(n)]
+    assert inputs[:n] == [f"q{i}" for i in range(n)] and inputs[n:n + len(ks)] == ks
+    assert all(k in cuda for k in ks) and outputs[-1] == f"v{n - 1}"
 
 
 def layer_state(rng, B, Hk, cap, n, M, offset):
@@ -86,3 +88,72 @@ def test_group_fold_matches_reference(mode, dtype, D, Hq, Hk):
     want_lay = np.array(lay_i)
     want_lay[:, 0] += 1
     np.testing.assert_array_equal(np.array(res.lay_i), want_lay)
+
+
+@needs_gpu
+@pytest.mark.parametrize("bits,gs", [(8, 64), (4, 32), (4, 128), (2, 64)])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_group_fold_quantized_matches_reference(bits, gs, dtype):
+    """K as quantized triples: the kernel dequantizes in registers; the
+    reference folds the mx.dequantize'd keys."""
+    rng = np.random.default_rng(bits * 1000 + gs)
+    B, D, Hq, Hk, offset, sizes = 1, 128, 32, 8, 2000, (256, 97)
+    base = H2OConfig(max_size=256, sink_size=4, heavy_budget=128)
+    cfgs = [with_max_size(base, s) for s in sizes]
+    M = max(sizes)
+    qs = [mx.array(rng.standard_normal((B, Hq, 1, D)).astype(np.float32)).astype(dtype)
+          for _ in sizes]
+    triples, state = [], []
+    for n in sizes:
+        k = mx.array(rng.standard_normal((B, Hk, n, D)).astype(np.float32)).astype(dtype)
+        triples.append(mx.quantize(k, group_size=gs, bits=bits))
+        state.append(layer_state(rng, B, Hk, n, n, M, offset))
+    pos, score, count, slot = (mx.array(np.concatenate(x, axis=0)) for x in zip(*state))
+    lay_i = mx.array([layer_params(offset, c.sink_size, c.recent_budget, n, n)
+                      for c, n in zip(cfgs, sizes)], dtype=mx.int32)
+    lay_f = mx.array([[D ** -0.5, c.ema_alpha, 1.0 - c.ema_alpha, 0.0] for c in cfgs],
+                     mx.float32)
+    assert group_fold_supported(dtype, D, Hq, Hk, bits, gs)
+    res = group_fold(qs, triples, lay_i, lay_f, pos, score, count, slot, mode="accumulated",
+                     bits=bits, group_size=gs)
+    mx.eval(res)
+    for i, (c, n, t) in enumerate(zip(cfgs, sizes, triples)):
+        rows = slice(i * B, (i + 1) * B)
+        with mx.stream(mx.cpu):
+            dense = mx.dequantize(*t, group_size=gs, bits=bits)
+            want = [np.array(x) for x in fold_layer(
+                c, qs[i], dense, n, D ** -0.5, offset, pos[rows], score[rows], count[rows],
+                slot[rows], width=1)]
+        np.testing.assert_array_equal(np.array(res.positions[rows]), want[0])
+        np.testing.assert_allclose(np.array(res.score[rows]), want[1], rtol=2e-5, atol=1e-6)
+        np.testing.assert_array_equal(np.array(res.count[rows]), want[2])
+        np.testing.assert_array_equal(np.array(res.victims[i]), want[3])
+        assert res.victims[i].shape == (B, Hk, 1, 1)
+
+
+@needs_gpu
+@pytest.mark.parametrize("quant", [None, (8, 32), (4, 64)])
+def test_grouped_caches_match_per_layer_on_gpu(quant):
+    """Caches grouped with the real kernel vs per-layer caches (the fused step,
+    or the fold kernel for triples), over fills and evictions: same kept
+    positions, scores within float summation order."""
+    from mlx_h2o.cache import H2OKVCache, QuantConfig, quantized_cache_type
+    from mlx_h2o.cache.group import make_groups
+    from test_step_group import configs, run
+
+    cls = H2OKVCache if quant is None else quantized_cache_type(QuantConfig(*quant))
+    cfgs = configs(sizes=(24, 40, 31))
+    plain, grouped = [cls(c) for c in cfgs], [cls(c) for c in cfgs]
+    make_groups(grouped, size=3, use_kernel=True)
+    a = run(plain, 5, [5] + [1] * 70, d=64)
+    b = run(grouped, 5, [5] + [1] * 70, d=64)
+    assert grouped[0]._group._stacked is not None  # the kernel path was taken
+    for x, y in zip(a[-1], b[-1]):
+        np.testing.assert_allclose(x, y, rtol=2e-3, atol=2e-3)
+    for p, g in zip(plain, grouped):
+        n = p.size()
+        assert (p.offset, p.evicted, n) == (g.offset, g.evicted, g.size()) and p.evicted > 0
+        np.testing.assert_array_equal(np.array(g.positions[..., :n]),
+                                      np.array(p.positions[..., :n]))
+        np.testing.assert_allclose(np.array(g.score[..., :n]), np.array(p.score[..., :n]),
+                                   rtol=1e-4, atol=1e-5)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from mlx_h2o import H2OConfig, H2OKVCache, make_h2o_cache
+from mlx_h2o.cache import QuantConfig, quantized_cache_type
 from mlx_h2o.cache.group import make_groups
 from mlx_h2o.config import with_max_size
 from mlx_h2o.kernels import gpu_backend
@@ -31,11 +32,11 @@ def layer_sets(cfgs):
     return plain, grouped
 
 
-def token(caches, L, rng, mask=None, sinks=None):
+def token(caches, L, rng, mask=None, sinks=None, d=D):
     """One forward step of a stack of layers: each gets its own random q/k/v."""
     outs = []
     for c in caches:
-        q, k, v = (mx.array(rng.standard_normal((B, h, L, D)).astype(np.float32))
+        q, k, v = (mx.array(rng.standard_normal((B, h, L, d)).astype(np.float32))
                    for h in (HQ, HK, HK))
         m = c.make_mask(L) if mask is None else mask
         keys, values = c.update_and_fetch(k * 3, v)
@@ -43,11 +44,11 @@ def token(caches, L, rng, mask=None, sinks=None):
     return outs
 
 
-def run(caches, seed, lengths, check=None):
+def run(caches, seed, lengths, check=None, d=D):
     rng = np.random.default_rng(seed)
     outs = []
     for i, L in enumerate(lengths):
-        outs.append([np.array(o) for o in token(caches, L, rng)])
+        outs.append([np.array(o) for o in token(caches, L, rng, d=d)])
         if check is not None and i in check:
             [c.positions for c in caches]  # reading the metadata releases the group
     return outs
@@ -188,3 +189,34 @@ def test_model_decode_matches_per_layer_caches():
     np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-4)
     for p, g in zip(plain, grouped):
         assert_same(g, p)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_group_equals_per_layer(bits):
+    """Quantized caches (one width) take group steps too: attention by mlx-lm's
+    quantized SDPA, the fold over dequantized K; same decisions as their
+    per-layer path (scores equal up to rounding: it folds quantized_matmul
+    logits)."""
+    qt = quantized_cache_type(QuantConfig(bits, 32))
+    cfgs = configs(sizes=(24, 40))
+    plain, grouped = [qt(c) for c in cfgs], [qt(c) for c in cfgs]
+    make_groups(grouped, size=2, use_kernel=False)
+    assert grouped[0]._group is not None and grouped[0]._group is grouped[1]._group
+    lengths = [5] + [1] * 60
+    a, b = run(plain, 3, lengths, (45,), d=64), run(grouped, 3, lengths, (45,), d=64)
+    for x, y in zip(a, b):
+        for u, v in zip(x, y):
+            np.testing.assert_allclose(u, v, rtol=1e-3, atol=1e-3)
+    for p, g in zip(plain, grouped):
+        assert (p.offset, p.evicted) == (g.offset, g.evicted) and p.evicted > 0
+        n = p.size()
+        np.testing.assert_array_equal(np.array(g.positions[..., :n]),
+                                      np.array(p.positions[..., :n]))
+        np.testing.assert_allclose(np.array(g.score[..., :n]), np.array(p.score[..., :n]),
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_mixed_precision_caches_stay_per_layer():
+    qt = quantized_cache_type(QuantConfig(8, 32, recent_bits=4))
+    caches = [qt(c) for c in configs(sizes=(24, 24))]
+    assert make_groups(caches, size=2, use_kernel=False) == []

@@ -53,10 +53,12 @@ class StepGroup:
     def takes(self, cache, queries: mx.array) -> bool:
         """Whether ``cache``'s decode query can be folded here: every member's
         queries and keys must have the first member's shapes and dtypes."""
-        keys = cache.kv.keys
-        sig = (queries.shape, queries.dtype, keys.shape[1], keys.dtype, mx.default_device())
+        kind = getattr(cache.kv, "group_kind", None)
+        sig = (queries.shape, queries.dtype, cache._positions.shape[1], kind,
+               mx.default_device())
         if self._sig is None:
-            runs = self.use_kernel is False or self._kernel_runs(queries, keys.shape[1])
+            runs = kind is not None and (self.use_kernel is False or self._kernel_runs(
+                queries, cache._positions.shape[1], kind))
             self._sig = (sig, runs)
         return self._sig == (sig, True)
 
@@ -96,7 +98,7 @@ class StepGroup:
             self._stack(caches, [it[2] for it in items])
         queries = [it[1] for it in items]
         offsets = [c.offset for c in caches]
-        if self._kernel_runs(queries[0], caches[0].kv.keys.shape[1]):
+        if self._kernel_runs(queries[0], caches[0]._positions.shape[1], caches[0].kv.group_kind):
             res = self._fold_kernel(caches, queries, offsets)
         else:
             res = self._fold_reference(caches, queries, offsets)
@@ -141,17 +143,18 @@ class StepGroup:
             None, frozenset(), None, None, None)
 
     # --- the fold ---------------------------------------------------------------
-    def _kernel_runs(self, queries, n_kv_heads: int) -> bool:
+    def _kernel_runs(self, queries, n_kv_heads: int, kind) -> bool:
         if self.use_kernel is False:
             return False
         B, Hq, _, D = queries.shape
-        ok = group_fold_supported(queries.dtype, D, Hq, n_kv_heads)
+        ok = group_fold_supported(queries.dtype, D, Hq, n_kv_heads, *_quant(kind))
         if self.use_kernel and not ok:
             raise ValueError("StepGroup(use_kernel=True): the group fold kernel does not "
                              f"run here for {queries.dtype} queries {queries.shape}")
-        return ok and len(self.members) <= max_layers()
+        return ok and len(self.members) <= max_layers(kind[0] == "quantized")
 
     def _fold_kernel(self, caches, queries, offsets):
+        bits, group_size = _quant(caches[0].kv.group_kind)
         # Each token's offsets come from the last launch's device copy when they
         # advanced by one (the steady state); a host-written array every token
         # cost the kernel ~150 us of GPU time on the H100 (docs/GPU.md).
@@ -163,7 +166,8 @@ class StepGroup:
             lay_i = mx.array(self._lay_i)
         cfg = caches[0].config
         res = group_fold(queries, [c.kv.keys for c in caches], lay_i, self._lay_f,
-                         *self._meta, self._slot, mode=cfg.score, pinned=cfg.pinned)
+                         *self._meta, self._slot, mode=cfg.score, pinned=cfg.pinned,
+                         bits=bits, group_size=group_size)
         self._lay_next = (res.lay_i, [o + 1 for o in offsets])
         return res.positions, res.score, res.count, res.victim, res.victims
 
@@ -174,20 +178,21 @@ class StepGroup:
         outs, victims = [], []
         for i, (c, offset) in enumerate(zip(caches, offsets)):
             rows = slice(i * B, (i + 1) * B)
-            outs.append(fold_layer(c.config, queries[i], c.kv.keys, c._n, c._group_scale,
-                                   offset, pos[rows], score[rows], count[rows],
-                                   self._slot[rows]))
+            width = 1 if c.kv.group_kind[0] == "quantized" else None
+            outs.append(fold_layer(c.config, queries[i], c.kv.dense_keys(c._n), c._n,
+                                   c._group_scale, offset, pos[rows], score[rows],
+                                   count[rows], self._slot[rows], width))
             victims.append(outs[-1][3])
         pos, score, count, _ = (mx.concatenate(x, axis=0) for x in zip(*outs))
         return pos, score, count, mx.concatenate(victims, axis=0), victims
 
 
-def fold_layer(config, q, keys, n, scale, offset, pos, score, count, slot):
+def fold_layer(config, q, keys, n, scale, offset, pos, score, count, slot, width=None):
     """One layer's fold and next victim, as its per-layer op path does them:
     the token in ``slot`` gets position ``offset - 1`` and fresh scores, the
-    query's attention over the first n slots of ``keys`` is folded in, and the
-    victim is ranked at ``offset + 1``. Returns (positions, score, count,
-    victim (B, Hk, 1, D)) with slots >= n copied through."""
+    query's attention over the first n slots of ``keys`` (dense) is folded in,
+    and the victim is ranked at ``offset + 1``. Returns (positions, score,
+    count, victim (B, Hk, 1, width or D)) with slots >= n copied through."""
     cfg = config
     slot = slot if slot.ndim == 3 else slot[..., 0]
     p, s, k = pos[..., :n], score[..., :n], count[..., :n]
@@ -201,25 +206,31 @@ def fold_layer(config, q, keys, n, scale, offset, pos, score, count, slot):
     keep = policy.protected(p, offset + 1, cfg.sink_size, cfg.recent_budget, cfg.pinned)
     pri = policy.priority(policy.eviction_score(cfg.score, s, k), keep, p, offset + 1)
     victim = policy.select_victim(pri, p).astype(mx.int32)[..., None, None]
-    victim = mx.broadcast_to(victim, (*victim.shape[:3], keys.shape[3]))
+    victim = mx.broadcast_to(victim, (*victim.shape[:3], width or keys.shape[3]))
     tail = [a[..., n:] for a in (pos, score, count)]
     return (*(mx.concatenate([x, t], axis=2) for x, t in zip((p, s, k), tail)), victim)
+
+
+def _quant(kind):
+    """(bits, group_size) of a storage's group kind; (None, 64) for dense."""
+    return (kind[1], kind[2]) if kind[0] == "quantized" else (None, 64)
 
 
 def make_groups(caches, size: Optional[int] = None, use_kernel=None) -> List[StepGroup]:
     """Group the caches that can take group steps: same score mode and pins
     (the kernel's constants), at most ``size`` a group (default ``max_layers()``:
     Metal binds few buffers per kernel; no groups without a GPU backend)."""
-    size = max_layers() if size is None else size
     by_key = {}
     for c in caches:
         if getattr(c, "groupable", lambda: False)():
-            by_key.setdefault((c.config.score, c.config.pinned), []).append(c)
+            key = (c.config.score, c.config.pinned, c.kv.group_kind)
+            by_key.setdefault(key, []).append(c)
     groups = []
-    for same in by_key.values():
-        for i in range(0, len(same) if size > 0 else 0, max(size, 1)):
+    for (_, _, kind), same in by_key.items():
+        n = max_layers(kind[0] == "quantized") if size is None else size
+        for i in range(0, len(same) if n > 0 else 0, max(n, 1)):
             g = StepGroup(use_kernel)
-            for c in same[i:i + size]:
+            for c in same[i:i + n]:
                 g.add(c)
             groups.append(g)
     return groups

@@ -145,7 +145,7 @@ class H2OKVCache:
             self._fold_queue()  # what follows reads the metadata (backing fields)
         if self._group is not None:
             if self._group_step(queries, mask, sinks):
-                out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
+                out = self.kv.sdpa(queries, keys, values, scale=scale)
                 self._group.push(self, queries, scale)
                 return out
             self._leave_group()
@@ -401,15 +401,14 @@ class H2OKVCache:
     # --- group steps (cache/group.py) -------------------------------------------
     def groupable(self) -> bool:
         """Whether this cache's evicting decode steps can join a StepGroup."""
-        return (self.window_size is None and self.storage_cls is DenseKV
-                and self.use_fused_step)
+        return (self.window_size is None and self.use_fused_step
+                and getattr(self.kv, "group_kind", None) is not None)
 
     def _group_step(self, queries, mask, sinks) -> bool:
         # The evicting steady state: the token went into a victim slot of a
         # full cache, nothing masks the step.
         return (self._slot is not None and mask is None and sinks is None
                 and self.use_fused_step and self._n == self.max_size
-                and type(self.kv) is DenseKV
                 and self.window_size is None and self._group.takes(self, queries))
 
     def _leave_group(self):

@@ -63,6 +63,7 @@ class QuantizedKV:
         self.bits, self.group_size = bits, group_size
         self.keys: Triple | None = None
         self.values: Triple | None = None
+        self.group_kind = ("quantized", bits, group_size)  # cache/group.py
 
     @property
     def capacity(self) -> int:
@@ -141,6 +142,23 @@ class QuantizedKV:
             sinks=sinks,
         )
 
+    def sdpa(self, queries, keys, values, *, scale):
+        """Attention without scores (a group step's), the ops mlx-lm's
+        QuantizedKVCache decodes with. Not its function: that scales the
+        caller's queries in place, and the group folds the same query later."""
+        B, Hq, L, D = queries.shape
+        Hk, gs, bits = keys[0].shape[1], self.group_size, self.bits
+        q = (queries * scale).reshape(B, Hk, Hq // Hk, L, D)
+        k, v = ([mx.expand_dims(a, 2) for a in t] for t in (keys, values))
+        s = mx.quantized_matmul(q, *k, transpose=True, group_size=gs, bits=bits)
+        s = mx.softmax(s, axis=-1, precise=True)
+        out = mx.quantized_matmul(s, *v, transpose=False, group_size=gs, bits=bits)
+        return out.reshape(B, Hq, L, D)
+
+    def dense_keys(self, n: int) -> mx.array:
+        w, s, b = (a[..., :n, :] for a in self.keys)
+        return mx.dequantize(w, s, b, group_size=self.group_size, bits=self.bits)
+
     @property
     def nbytes(self) -> int:
         if self.keys is None:
@@ -163,6 +181,8 @@ class MixedKV:
     a decode step that evicts from the low zone sends its no-op promotion
     there instead of branching per head.
     """
+
+    group_kind = None  # an eviction moves tokens between zones: no group steps
 
     def __init__(self, hi_bits: int, lo_bits: int, group_size: int, split: int):
         self.hi = QuantizedKV(hi_bits, group_size)

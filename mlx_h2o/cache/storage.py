@@ -33,6 +33,9 @@ def put_slot(a, slot, value):
 class DenseKV:
     """Keys and values as plain (B, n_kv_heads, slots, D) arrays."""
 
+    # What a StepGroup's fold reads (cache/group.py); layers of one kind fold together.
+    group_kind = ("dense",)
+
     def __init__(self):
         self.keys = self.values = None
 
@@ -76,6 +79,13 @@ class DenseKV:
         return scaled_dot_product_attention_with_scores(
             queries, keys, values, scale=scale, mask=mask, sinks=sinks
         )
+
+    def sdpa(self, queries, keys, values, *, scale):
+        """Attention without scores (a group step's): MLX's fused SDPA."""
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
+
+    def dense_keys(self, n: int) -> mx.array:
+        return self.keys[..., :n, :]
 
     @property
     def nbytes(self) -> int:

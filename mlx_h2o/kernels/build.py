@@ -184,20 +184,29 @@ def all_sources(backend: str) -> List[Tuple[str, str, str]]:
             out.append((f"pass2 sinks={sinks} fused={fused}", *pass2_source(backend, sinks, fused)))
     out.append(("fold", *fold_source(backend)))
     for n in (1, 3):
-        out.append((f"group layers={n}", *group_source(backend, n)))
+        for q in (False, True):
+            out.append((f"group layers={n} quantized={q}", *group_source(backend, n, q)))
     return out
 
 
-def group_names(n_layers: int):
+def group_k_names(n_layers: int, quantized: bool):
+    """The group fold's K inputs: k0.. (dense), or kw0.., ks0.., kb0.. (triples)."""
+    prefixes = ("kw", "ks", "kb") if quantized else ("k",)
+    return [f"{p}{i}" for p in prefixes for i in range(n_layers)]
+
+
+def group_names(n_layers: int, quantized: bool = False):
     """Input and output names of the group fold over ``n_layers`` layers."""
-    qs, ks = [f"q{i}" for i in range(n_layers)], [f"k{i}" for i in range(n_layers)]
-    inputs = [*qs, *ks, "lay_i", "lay_f", "pos_in", "score_in", "count_in", "slot", "pin"]
+    qs = [f"q{i}" for i in range(n_layers)]
+    inputs = [*qs, *group_k_names(n_layers, quantized), "lay_i", "lay_f", "pos_in",
+              "score_in", "count_in", "slot", "pin"]
     outputs = ["pos_out", "score_out", "count_out", "victim", "logits", "lay_out"]
     return inputs, outputs + [f"v{i}" for i in range(n_layers)]
 
 
-def group_source(backend: str, n_layers: int):
-    """(header, body) of the group fold (kernels/group_fold.py)."""
+def group_source(backend: str, n_layers: int, quantized: bool = False):
+    """(header, body) of the group fold (kernels/group_fold.py) over dense K
+    buffers or quantized triples (template constants BITS, GS)."""
     header, ids = _prelude(backend)
 
     def select(name):  # layer == 0 ? name0 : layer == 1 ? name1 : ... : name{n-1}
@@ -206,19 +215,28 @@ def group_source(backend: str, n_layers: int):
 
     vsel = "\n".join(f"        case {i}: v{i}[vb + i] = victim_s; break;"
                      for i in range(n_layers))
+    if quantized:
+        ksetup = Template(src.GROUP_K_QUANT).substitute(
+            KWSELECT=select("kw"), KSSELECT=select("ks"), KBSELECT=select("kb"))
+        kload = src.GROUP_LOAD_QUANT
+    else:
+        ksetup = Template(src.GROUP_K_DENSE).substitute(KSELECT=select("k"))
+        kload = src.GROUP_LOAD_DENSE
     body = Template(src.GROUP_FOLD).substitute(
-        IDS=ids, KSELECT=select("k"), QSELECT=select("q"), VSELECT=vsel,
+        IDS=ids, KSETUP=ksetup.strip("\n"), KLOAD=kload.strip("\n"), QSELECT=select("q"),
+        VSELECT=vsel,
         FOLD=Template(src.FOLD).substitute(NV="prm_i[5]", NS="pos_in_shape[2]"),
     )
     return header, body
 
 
 @lru_cache(maxsize=None)
-def _make_group_kernel(n_layers: int):
+def _make_group_kernel(n_layers: int, quantized: bool = False):
     """Group-fold kernel over ``n_layers`` layers, or None without a GPU backend.
     Inputs are made row-contiguous: K buffers and queries are indexed flat."""
     backend = gpu_backend()
     if backend is None:
         return None
-    return _kernel(backend, f"h2o_group{n_layers}", group_names(n_layers),
-                   *group_source(backend, n_layers), contiguous=True)
+    name = f"h2o_group{'q' if quantized else ''}{n_layers}"
+    return _kernel(backend, name, group_names(n_layers, quantized),
+                   *group_source(backend, n_layers, quantized), contiguous=True)

@@ -8,7 +8,7 @@ this launch (docs/GPU.md, "One fold launch per token").
 """
 
 from functools import lru_cache
-from typing import List, NamedTuple, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
@@ -16,9 +16,11 @@ from .build import SCORE_MODES, _make_group_kernel, gpu_backend
 from .decode import NT
 
 # Metal binds at most 31 buffers per kernel, shape and stride arrays
-# included: 19 + 3 per layer.
+# included: 19 + 3 per layer (dense), 19 + 5 (quantized K).
 MAX_LAYERS = {"cuda": 64, "metal": 4}
+MAX_LAYERS_QUANTIZED = {"cuda": 64, "metal": 2}
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+BITS = (2, 4, 8)
 
 
 class GroupFold(NamedTuple):
@@ -30,18 +32,23 @@ class GroupFold(NamedTuple):
     victim: mx.array  # (n * B, Hk, 1, D) int32: every layer's next slot, stacked
     logits: mx.array  # (n * B, Hq, M) float32, slots < valid of each layer
     lay_i: mx.array  # (n, 8) int32: ``lay_i`` of the next token (offset + 1)
-    victims: List[mx.array]  # n x (B, Hk, 1, D) int32: the same, one per layer
+    victims: List[mx.array]  # n x (B, Hk, 1, D) int32 (dense; (B, Hk, 1, 1) for
+    #                          triples): the same, one per layer
 
 
-def max_layers() -> int:
+def max_layers(quantized: bool = False) -> int:
     """Layers one launch can take on this backend (0: no GPU backend)."""
-    return MAX_LAYERS.get(gpu_backend(), 0)
+    return (MAX_LAYERS_QUANTIZED if quantized else MAX_LAYERS).get(gpu_backend(), 0)
 
 
-def group_fold_supported(dtype, head_dim: int, n_heads: int, n_kv_heads: int) -> bool:
-    """Whether group_fold runs here for layers of these shapes."""
+def group_fold_supported(dtype, head_dim: int, n_heads: int, n_kv_heads: int,
+                         bits: Optional[int] = None, group_size: int = 64) -> bool:
+    """Whether group_fold runs here for layers of these shapes (``bits``: K as
+    affine-quantized triples of that width and ``group_size``)."""
+    quant_ok = bits is None or (bits in BITS and group_size % 8 == 0
+                                and head_dim % group_size == 0)
     return (max_layers() > 0 and mx.default_device() == mx.gpu and dtype in DTYPES
-            and head_dim % 8 == 0 and 8 <= head_dim <= 256
+            and head_dim % 8 == 0 and 8 <= head_dim <= 256 and quant_ok
             and n_heads % n_kv_heads == 0 and n_heads // n_kv_heads <= 16)
 
 
@@ -59,47 +66,59 @@ def layer_params(offset: int, sink_size: int, recent_budget: int, valid: int, ca
 class GroupPlan:
     """The group fold for fixed shapes and settings; calls replay through mx.compile."""
 
-    def __init__(self, n, B, Hq, Hk, D, dtype, M, mode, pinned):
+    def __init__(self, n, B, Hq, Hk, D, dtype, M, mode, pinned, bits=None, group_size=64):
         self.n, self.B, self.Hq, self.Hk, self.D, self.M = n, B, Hq, Hk, D, M
-        self.kernel = _make_group_kernel(n)
+        quantized = bits is not None
+        self.kernel = _make_group_kernel(n, quantized)
+        # Victims repeat along D for dense writes; triples take (B, Hk, 1, 1).
+        self.VD = 1 if quantized else D
+        self.k_inputs = 3 * n if quantized else n
         self.template = [("T", dtype), ("D", D), ("G", Hq // Hk), ("HK", Hk), ("NB", B),
-                         ("MODE", SCORE_MODES.index(mode))]
+                         ("MODE", SCORE_MODES.index(mode)), ("VD", self.VD)]
+        if quantized:
+            self.template += [("BITS", bits), ("GS", group_size)]
         self.pins = _pins(pinned)
         self._steady = mx.compile(self._launch)
 
     def __call__(self, queries, keys, lay_i, lay_f, positions, score, count, slot) -> GroupFold:
+        if self.k_inputs != self.n:  # triples: all codes, then scales, then biases
+            keys = [k[j] for j in range(3) for k in keys]
         res = self._steady(*queries, *keys, lay_i, lay_f, positions, score, count, slot)
         return GroupFold(*res[:6], list(res[6:]))
 
     def _launch(self, *arrays):
-        n = self.n
-        qs, keys, (lay_i, lay_f, pos, sc, cn, slot) = arrays[:n], arrays[n:2 * n], arrays[2 * n:]
+        n, nk = self.n, self.k_inputs
+        qs, keys, (lay_i, lay_f, pos, sc, cn, slot) = (
+            arrays[:n], arrays[n:n + nk], arrays[n + nk:])
         n, B, Hq, Hk, D, M = self.n, self.B, self.Hq, self.Hk, self.D, self.M
         i32, f32 = mx.int32, mx.float32
         return self.kernel(
             inputs=[*qs, *keys, lay_i, lay_f, pos, sc, cn, slot, self.pins],
             template=self.template, grid=(n * B * Hk * NT, 1, 1), threadgroup=(NT, 1, 1),
             output_shapes=[(n * B, Hk, M)] * 3 + [(n * B, Hk, 1, D), (n * B, Hq, M), (n, 8)]
-            + [(B, Hk, 1, D)] * n,
+            + [(B, Hk, 1, self.VD)] * n,
             output_dtypes=[i32, f32, f32, i32, f32, i32] + [i32] * n,
         )
 
 
 @lru_cache(maxsize=16)
-def group_plan(n, B, Hq, Hk, D, dtype, M, mode, pinned) -> GroupPlan:
+def group_plan(n, B, Hq, Hk, D, dtype, M, mode, pinned, bits=None, group_size=64) -> GroupPlan:
     if mode not in SCORE_MODES:
         raise ValueError(f"unknown score mode {mode!r}; use one of {SCORE_MODES}")
-    return GroupPlan(n, B, Hq, Hk, D, dtype, M, mode, pinned)
+    return GroupPlan(n, B, Hq, Hk, D, dtype, M, mode, pinned, bits, group_size)
 
 
-def group_fold(queries: Sequence[mx.array], keys: Sequence[mx.array], lay_i, lay_f, positions,
-               score, count, slot, *, mode: str, pinned=()) -> GroupFold:
+def group_fold(queries: Sequence[mx.array], keys: Sequence, lay_i, lay_f, positions,
+               score, count, slot, *, mode: str, pinned=(), bits: Optional[int] = None,
+               group_size: int = 64) -> GroupFold:
     """Fold one decode query per layer into its scores and pick its next victim.
 
     Shapes (n layers, same B / heads / D / dtype):
         queries: n decode queries (B, Hq, 1, D), one per layer (separate
             inputs: stacking them cost one copy kernel per layer).
-        keys: n whole K buffers (B, Hk, cap_l, D), the token already written.
+        keys: n whole K buffers (B, Hk, cap_l, D), the token already written;
+            with ``bits``: n (codes, scales, biases) triples of mx.quantize
+            along D (``group_size``) instead.
         lay_i: (n, 8) int32 rows of ``layer_params``; lay_f: (n, 4) float32
             rows (scale, EMA alpha, 1 - alpha, 0).
         positions (int32), score, count (float32): (n * B, Hk, M), layer l's
@@ -108,12 +127,13 @@ def group_fold(queries: Sequence[mx.array], keys: Sequence[mx.array], lay_i, lay
     Per layer as h2o_fold_step with logits ``scale * q @ k[:valid]`` (no mask).
     """
     n, q = len(keys), queries[0]
-    B, Hk, _, D = keys[0].shape
-    Hq, M = q.shape[1], positions.shape[2]
-    if (not group_fold_supported(q.dtype, D, Hq, Hk) or not 0 < n <= max_layers()
-            or len(queries) != n):
+    B, Hq, _, D = q.shape
+    Hk, M = positions.shape[1], positions.shape[2]
+    if (not group_fold_supported(q.dtype, D, Hq, Hk, bits, group_size)
+            or not 0 < n <= max_layers(bits is not None) or len(queries) != n):
         raise ValueError(f"group_fold: not supported here for {len(queries)} queries and "
                          f"{n} K buffers of {q.dtype} queries {q.shape} "
                          f"(backend={gpu_backend()})")
-    plan = group_plan(n, B, Hq, Hk, D, q.dtype, M, mode, tuple(tuple(p) for p in pinned))
+    plan = group_plan(n, B, Hq, Hk, D, q.dtype, M, mode, tuple(tuple(p) for p in pinned),
+                      bits, group_size)
     return plan(queries, keys, lay_i, lay_f, positions, score, count, slot)

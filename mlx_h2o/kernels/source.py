@@ -638,8 +638,7 @@ $IDS
   if (bq == 0 && blk_x % HK == 0 && tid < 8) lay_out[layer * 8 + tid] = prm_i[tid] + (tid == 0);
   const int nv = prm_i[5];
   const i64 kcap = prm_i[6];
-  auto kl = $KSELECT;
-  kl += ((i64)bq * HK + blk_x % HK) * kcap * D;
+$KSETUP
   auto ql = $QSELECT;  // (B, Hq, 1, D)
   const int NSL = pos_in_shape[2];  // logits row stride: the stacked slot count
   const i64 lrow = ((i64)(layer * NB + bq) * HK * G + hq0) * NSL;
@@ -651,7 +650,6 @@ $IDS
   }
   H2O_BARRIER();
   // A thread per key: the G logits of its row, an online (max, sum) per head.
-  const bool kvec = H2O_ALIGNED16(kl);
   float m_[G];
   float l_[G];
   H2O_UNROLL
@@ -664,10 +662,8 @@ $IDS
     H2O_UNROLL
     for (int g = 0; g < G; ++g) acc[g] = 0.0f;
     for (int d0 = 0; d0 < D; d0 += E) {
-      H2ORaw<T, E> kr;
-      h2o_fetch<E>(kl + (i64)s * D + d0, 1, kvec, kr);
       float kf[E];
-      h2o_cvt<E>(kr, kf);
+$KLOAD
       H2O_UNROLL
       for (int g = 0; g < G; ++g) {
         H2O_UNROLL
@@ -720,11 +716,51 @@ $FOLD
   // Each layer's victim also as its own (B, HK, 1, D) array: the layer's K/V
   // writes take it as is (no slice node per layer).
   {
-    const i64 vb = ((i64)bq * HK + blk_x % HK) * D;
-    for (int i = tid; i < D; i += NT) {
+    const i64 vb = ((i64)bq * HK + blk_x % HK) * VD;
+    for (int i = tid; i < VD; i += NT) {
       switch (layer) {
 $VSELECT
       }
     }
   }
+"""
+
+# The group fold's K rows: dense buffers (k0, k1, ...) ...
+GROUP_K_DENSE = r"""
+  auto kl = $KSELECT;
+  kl += ((i64)bq * HK + blk_x % HK) * kcap * D;
+  const bool kvec = H2O_ALIGNED16(kl);
+"""
+GROUP_LOAD_DENSE = r"""
+      {
+        H2ORaw<T, E> kr;
+        h2o_fetch<E>(kl + (i64)s * D + d0, 1, kvec, kr);
+        h2o_cvt<E>(kr, kf);
+      }
+"""
+# ... or affine-quantized triples (kw: uint32 codes, ks / kb: scales and
+# biases; BITS-wide codes, low bits first; one scale per GS values, GS >= E).
+GROUP_K_QUANT = r"""
+  constexpr int WPR = D * BITS / 32;  // code words per row
+  constexpr int SPR = D / GS;  // scales per row
+  constexpr unsigned MASKB = (1u << BITS) - 1u;
+  const i64 krow0 = ((i64)bq * HK + blk_x % HK) * kcap;
+  auto kwl = $KWSELECT;
+  auto ksl = $KSSELECT;
+  auto kbl = $KBSELECT;
+  kwl += krow0 * WPR;
+  ksl += krow0 * SPR;
+  kbl += krow0 * SPR;
+"""
+GROUP_LOAD_QUANT = r"""
+      {
+        const float sc = static_cast<float>(ksl[(i64)s * SPR + d0 / GS]);
+        const float bi = static_cast<float>(kbl[(i64)s * SPR + d0 / GS]);
+        H2O_UNROLL
+        for (int e = 0; e < E; ++e) {
+          const int d = d0 + e;
+          const unsigned word = kwl[(i64)s * WPR + (d * BITS) / 32];
+          kf[e] = static_cast<float>((word >> ((d * BITS) % 32)) & MASKB) * sc + bi;
+        }
+      }
 """
