@@ -15,6 +15,7 @@ from mlx_h2o import H2OConfig
 from mlx_h2o.cache.group import fold_layer
 from mlx_h2o.config import with_max_size
 from mlx_h2o.kernels import build, source
+from mlx_h2o.kernels.quantized_reference import dequantize
 from mlx_h2o.kernels.group_fold import group_fold, group_fold_supported, layer_params
 
 needs_gpu = pytest.mark.skipif(build.gpu_backend() is None,
@@ -120,7 +121,7 @@ def test_group_fold_quantized_matches_reference(bits, gs, dtype):
     for i, (c, n, t) in enumerate(zip(cfgs, sizes, triples)):
         rows = slice(i * B, (i + 1) * B)
         with mx.stream(mx.cpu):
-            dense = mx.dequantize(*t, group_size=gs, bits=bits)
+            dense = dequantize(t, bits=bits, group_size=gs)  # float32, as the kernel
             want = [np.array(x) for x in fold_layer(
                 c, qs[i], dense, n, D ** -0.5, offset, pos[rows], score[rows], count[rows],
                 slot[rows], width=1)]
@@ -144,6 +145,8 @@ def test_grouped_caches_match_per_layer_on_gpu(quant):
     cls = H2OKVCache if quant is None else quantized_cache_type(QuantConfig(*quant))
     cfgs = configs(sizes=(24, 40, 31))
     plain, grouped = [cls(c) for c in cfgs], [cls(c) for c in cfgs]
+    for c in grouped:
+        c.group_steps = True  # opt-in for quantized caches
     make_groups(grouped, size=3, use_kernel=True)
     a = run(plain, 5, [5] + [1] * 70, d=64)
     b = run(grouped, 5, [5] + [1] * 70, d=64)

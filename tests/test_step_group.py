@@ -200,6 +200,9 @@ def test_quantized_group_equals_per_layer(bits):
     qt = quantized_cache_type(QuantConfig(bits, 32))
     cfgs = configs(sizes=(24, 40))
     plain, grouped = [qt(c) for c in cfgs], [qt(c) for c in cfgs]
+    assert make_groups(grouped, size=2, use_kernel=False) == []  # opt-in
+    for c in grouped:
+        c.group_steps = True
     make_groups(grouped, size=2, use_kernel=False)
     assert grouped[0]._group is not None and grouped[0]._group is grouped[1]._group
     lengths = [5] + [1] * 60
@@ -219,4 +222,6 @@ def test_quantized_group_equals_per_layer(bits):
 def test_mixed_precision_caches_stay_per_layer():
     qt = quantized_cache_type(QuantConfig(8, 32, recent_bits=4))
     caches = [qt(c) for c in configs(sizes=(24, 24))]
+    for c in caches:
+        c.group_steps = True  # still no: an eviction moves tokens between zones
     assert make_groups(caches, size=2, use_kernel=False) == []

@@ -71,6 +71,7 @@ class H2OKVCache:
     # (cache/group.py): make_h2o_cache sets the group on a GPU backend.
     _group = None
     _group_scale = None  # the scale of the query this cache last pushed
+    group_steps = True  # False: never join a group (per-layer steps only)
 
     positions = _folded("positions")  # (B, Hk, cap) int32 token position per slot
     score = _folded("score")  # (B, Hk, cap) float32 accumulated score
@@ -401,7 +402,7 @@ class H2OKVCache:
     # --- group steps (cache/group.py) -------------------------------------------
     def groupable(self) -> bool:
         """Whether this cache's evicting decode steps can join a StepGroup."""
-        return (self.window_size is None and self.use_fused_step
+        return (self.group_steps and self.window_size is None and self.use_fused_step
                 and getattr(self.kv, "group_kind", None) is not None)
 
     def _group_step(self, queries, mask, sinks) -> bool:

@@ -15,6 +15,7 @@ biases kept, so it represents the same values it was written with.
 import mlx.core as mx
 
 from ..kernels.quantized import quantized_attention
+from ..kernels.quantized_reference import dequantize
 from .storage import resize_slots, take_slots
 
 Triple = tuple[mx.array, mx.array, mx.array]
@@ -156,8 +157,9 @@ class QuantizedKV:
         return out.reshape(B, Hq, L, D)
 
     def dense_keys(self, n: int) -> mx.array:
-        w, s, b = (a[..., :n, :] for a in self.keys)
-        return mx.dequantize(w, s, b, group_size=self.group_size, bits=self.bits)
+        """The first n keys dequantized in float32 (as the kernels compute them)."""
+        t = tuple(a[..., :n, :] for a in self.keys)
+        return dequantize(t, bits=self.bits, group_size=self.group_size)
 
     @property
     def nbytes(self) -> int:
