@@ -22,7 +22,8 @@ import numpy as np
 from .. import policy
 from ..kernels import scaled_dot_product_attention_with_scores
 from ..kernels.group_fold import group_fold, group_fold_supported, layer_params, max_layers
-from .storage import put_slot
+from .h2o import slot_priority
+from .storage import fresh_slot
 
 
 class StepGroup:
@@ -44,7 +45,9 @@ class StepGroup:
         self._victims = None  # per stacked member: the victim array handed out
         self._lay_i = self._lay_f = None
         self._lay_next = None  # (device lay_i for offsets + 1, those offsets)
-        self._sig = None  # members' (queries, keys) signature: the first one seen
+        # Members' (queries, keys) signature, the first one seen, whether it can
+        # be folded here and whether by the kernel.
+        self._sig = None
 
     def add(self, cache) -> None:
         self.members.append(cache)
@@ -58,10 +61,9 @@ class StepGroup:
         sig = (queries.shape, queries.dtype, cache._positions.shape[1], kind,
                mx.default_device())
         if self._sig is None:
-            runs = kind is not None and (self.use_kernel is False or self._kernel_runs(
-                queries, cache._positions.shape[1], kind))
-            self._sig = (sig, runs)
-        return self._sig == (sig, True)
+            kernel = kind is not None and self._kernel_runs(queries, sig[2], kind)
+            self._sig = (sig, kind is not None and (kernel or self.use_kernel is False), kernel)
+        return self._sig[:2] == (sig, True)
 
     def push(self, cache, queries: mx.array, scale: float) -> None:
         """``cache`` wrote its token into ``cache._slot`` and attended: fold later."""
@@ -99,7 +101,7 @@ class StepGroup:
             self._stack(caches, [it[2] for it in items])
         queries = [it[1] for it in items]
         offsets = [c.offset for c in caches]
-        if self._kernel_runs(queries[0], caches[0]._positions.shape[1], caches[0].kv.group_kind):
+        if self._sig[2]:  # pending queries passed takes(): the signature is set
             res = self._fold_kernel(caches, queries, offsets)
         else:
             res = self._fold_reference(caches, queries, offsets)
@@ -176,16 +178,15 @@ class StepGroup:
         """The per-layer policy ops on the stacked state (what the kernel computes)."""
         pos, score, count = self._meta
         B = pos.shape[0] // len(caches)
-        outs, victims = [], []
+        outs = []
         for i, (c, offset) in enumerate(zip(caches, offsets)):
             rows = slice(i * B, (i + 1) * B)
             width = 1 if c.kv.group_kind[0] == "quantized" else None
             outs.append(fold_layer(c.config, queries[i], c.kv.dense_keys(c._n), c._n,
                                    c._group_scale, offset, pos[rows], score[rows],
                                    count[rows], self._slot[rows], width))
-            victims.append(outs[-1][3])
-        pos, score, count, _ = (mx.concatenate(x, axis=0) for x in zip(*outs))
-        return pos, score, count, mx.concatenate(victims, axis=0), victims
+        pos, score, count, victim = (mx.concatenate(x, axis=0) for x in zip(*outs))
+        return pos, score, count, victim, [o[3] for o in outs]
 
 
 def fold_layer(config, q, keys, n, scale, offset, pos, score, count, slot, width=None):
@@ -195,17 +196,12 @@ def fold_layer(config, q, keys, n, scale, offset, pos, score, count, slot, width
     and the victim is ranked at ``offset + 1``. Returns (positions, score,
     count, victim (B, Hk, 1, width or D)) with slots >= n copied through."""
     cfg = config
-    slot = slot if slot.ndim == 3 else slot[..., 0]
-    p, s, k = pos[..., :n], score[..., :n], count[..., :n]
-    p = put_slot(p, slot, mx.full(slot.shape, offset - 1, mx.int32))
-    s = put_slot(s, slot, mx.zeros(slot.shape, mx.float32))
-    k = put_slot(k, slot, mx.zeros(slot.shape, mx.float32))
+    p, s, k = fresh_slot(pos[..., :n], score[..., :n], count[..., :n], slot, offset - 1)
     kn = keys[..., :n, :]
     _, logits, lse = scaled_dot_product_attention_with_scores(
         q, kn, kn, scale=scale, mask=None, sinks=None, use_kernel=False)
     s, k = policy.fold_scores(cfg.score, s, k, logits, lse, cfg.ema_alpha)
-    keep = policy.protected(p, offset + 1, cfg.sink_size, cfg.recent_budget, cfg.pinned)
-    pri = policy.priority(policy.eviction_score(cfg.score, s, k), keep, p, offset + 1)
+    pri = slot_priority(cfg, p, s, k, offset + 1)
     victim = policy.select_victim(pri, p).astype(mx.int32)[..., None, None]
     victim = mx.broadcast_to(victim, (*victim.shape[:3], width or keys.shape[3]))
     tail = [a[..., n:] for a in (pos, score, count)]

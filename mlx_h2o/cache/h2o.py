@@ -11,7 +11,7 @@ from ..config import H2OConfig, config_from_dict, config_to_dict
 from ..kernels import fold_step_supported, gpu_backend, h2o_fold_step, h2o_step_supported
 from ..kernels import make_plan
 from .deferred import DEFERRABLE, ScoreQueue, batch_fold
-from .storage import DenseKV, put_slot, resize_slots, take_slots
+from .storage import DenseKV, fresh_slot, resize_slots, take_slots
 
 NO_SCORES = (
     "H2OKVCache.update_and_fetch was called again before the attention of the "
@@ -344,11 +344,10 @@ class H2OKVCache:
         self.count = resize_slots(self.count, n, shape, mx.float32)
 
     def _priority(self, offset):
-        cfg, n = self.config, self._n
+        n = self._n
         pos = self.positions[..., :n]
-        keep = policy.protected(pos, offset, cfg.sink_size, cfg.recent_budget, cfg.pinned)
-        score = policy.eviction_score(cfg.score, self.score[..., :n], self.count[..., :n])
-        return policy.priority(score, keep, pos, offset, self.window_size), pos
+        score, count = self.score[..., :n], self.count[..., :n]
+        return slot_priority(self.config, pos, score, count, offset, self.window_size), pos
 
     def _write_into_victim(self, keys, values):
         pri, pos = self._priority(self.offset + 1)
@@ -361,12 +360,9 @@ class H2OKVCache:
 
     def _write_slot_meta(self, slot, position=None):
         """Position of the token written into ``slot``, with fresh scores."""
-        slot = slot[..., 0] if slot.ndim == 4 else slot  # a fused step's victim
         position = self.offset - 1 if position is None else position
-        self.positions = put_slot(self.positions, slot, mx.full(slot.shape, position, mx.int32))
-        zero = mx.zeros(slot.shape, mx.float32)
-        self.score = put_slot(self.score, slot, zero)
-        self.count = put_slot(self.count, slot, zero)
+        self.positions, self.score, self.count = fresh_slot(
+            self.positions, self.score, self.count, slot, position)
         self._meta_pending = False
 
     # --- deferred scores (cache/deferred.py) ------------------------------------
@@ -515,6 +511,15 @@ class H2OKVCache:
         q = mx.arange(self.offset - L, self.offset)[:, None]  # (L, 1)
         k = self.positions[..., None, : self._n]  # (B, Hk, 1, n)
         return (k <= q) & (k > q - self.window_size)  # (B, Hk, L, n)
+
+
+def slot_priority(config: H2OConfig, positions, score, count, offset: int, window_size=None):
+    """Eviction priority of the slots (policy.priority) for tokens seen =
+    ``offset``: protected zones +inf, the score mode's ranking otherwise."""
+    cfg = config
+    keep = policy.protected(positions, offset, cfg.sink_size, cfg.recent_budget, cfg.pinned)
+    ranked = policy.eviction_score(cfg.score, score, count)
+    return policy.priority(ranked, keep, positions, offset, window_size)
 
 
 def _last_rows(mask, W: int):

@@ -30,6 +30,15 @@ def put_slot(a, slot, value):
     return mx.put_along_axis(a, idx, value, axis=2)
 
 
+def fresh_slot(positions, score, count, slot, position: int):
+    """(positions, score, count) with ``slot`` (B, Hk, 1), or a fused step's
+    (B, Hk, 1, ·) victim, holding ``position`` and zero scores."""
+    slot = slot[..., 0] if slot.ndim == 4 else slot
+    zero = mx.zeros(slot.shape, mx.float32)
+    return (put_slot(positions, slot, mx.full(slot.shape, position, mx.int32)),
+            put_slot(score, slot, zero), put_slot(count, slot, zero))
+
+
 class DenseKV:
     """Keys and values as plain (B, n_kv_heads, slots, D) arrays."""
 

@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from .build import SCORE_MODES, _make_group_kernel, gpu_backend
 from .decode import NT
+from .h2o_step import _pins, params_row
 
 # Metal binds at most 31 buffers per kernel, shape and stride arrays
 # included: 19 + 3 per layer (dense), 19 + 5 (quantized K).
@@ -52,15 +53,10 @@ def group_fold_supported(dtype, head_dim: int, n_heads: int, n_kv_heads: int,
             and n_heads % n_kv_heads == 0 and n_heads // n_kv_heads <= 16)
 
 
-@lru_cache(maxsize=64)
-def _pins(pinned) -> mx.array:
-    return mx.array(list(pinned) or [(0, 0)], dtype=mx.int32)
-
-
 def layer_params(offset: int, sink_size: int, recent_budget: int, valid: int, cap: int):
-    """One layer's row of ``lay_i``: FOLD's prm_i (offset, -1: the token went
-    to ``slot``, no window, sink, recent, valid count) and the K buffer's slots."""
-    return [offset, -1, 0, sink_size, recent_budget, valid, cap, 0]
+    """One layer's row of ``lay_i``: FOLD's prm_i (the token went to ``slot``,
+    no window) and the K buffer's slots."""
+    return params_row(offset, None, (0, sink_size, recent_budget), valid) + [cap, 0]
 
 
 class GroupPlan:

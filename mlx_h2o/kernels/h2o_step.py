@@ -40,11 +40,15 @@ def _no_slot() -> mx.array:
     return mx.zeros((1, 1), dtype=mx.int32)
 
 
-def step_params(offset, append_slot, tail, valid) -> mx.array:
+def params_row(offset, append_slot, tail, valid) -> list:
     """The kernels' prm_i: offset, append slot (-1: the token went to ``slot``),
     then ``tail`` = (window or 0, sink_size, recent_budget), then the valid count."""
-    return mx.array([offset, -1 if append_slot is None else append_slot, *tail, valid],
-                    mx.int32)
+    return [offset, -1 if append_slot is None else append_slot, *tail, valid]
+
+
+def step_params(offset, append_slot, tail, valid) -> mx.array:
+    """``params_row`` as the int32 array the kernels read."""
+    return mx.array(params_row(offset, append_slot, tail, valid), mx.int32)
 
 
 def _check_step_args(mode, slot, append_slot):
