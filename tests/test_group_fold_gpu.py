@@ -145,8 +145,6 @@ def test_grouped_caches_match_per_layer_on_gpu(quant):
     cls = H2OKVCache if quant is None else quantized_cache_type(QuantConfig(*quant))
     cfgs = configs(sizes=(24, 40, 31))
     plain, grouped = [cls(c) for c in cfgs], [cls(c) for c in cfgs]
-    for c in grouped:
-        c.group_steps = True  # opt-in for quantized caches
     make_groups(grouped, size=3, use_kernel=True)
     a = run(plain, 5, [5] + [1] * 70, d=64)
     b = run(grouped, 5, [5] + [1] * 70, d=64)

@@ -126,6 +126,26 @@ def test_release_mid_token_and_masked_step():
         assert_same(g, p)
 
 
+def test_group_steps_false_takes_members_out():
+    """group_steps = False on grouped members mid-stream: they leave the group
+    at their next step and decide as per-layer caches from then on."""
+    plain, grouped = layer_sets(configs())
+    for caches in (plain, grouped):
+        rng = np.random.default_rng(6)
+        for L in [5] + [1] * 50:
+            token(caches, L, rng)
+        if caches is grouped:
+            assert grouped[0]._group._stacked == grouped
+            for c in grouped:
+                c.group_steps = False
+        for _ in range(20):
+            token(caches, 1, rng)
+    group = grouped[0]._group
+    assert group._stacked is None and not group.has_pending()
+    for p, g in zip(plain, grouped):
+        assert_same(g, p)
+
+
 def test_trim_and_state_round_trip():
     plain, grouped = layer_sets(configs())
     for caches in (plain, grouped):
@@ -193,16 +213,13 @@ def test_model_decode_matches_per_layer_caches():
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_group_equals_per_layer(bits):
-    """Quantized caches (one width) take group steps too: attention by mlx-lm's
-    quantized SDPA, the fold over dequantized K; same decisions as their
-    per-layer path (scores equal up to rounding: it folds quantized_matmul
-    logits)."""
+    """Quantized caches (one width) take group steps too (by default): on the
+    CPU attention by mlx-lm's quantized SDPA ops, the fold over dequantized K;
+    same decisions as their per-layer path (scores equal up to rounding: it
+    folds quantized_matmul logits)."""
     qt = quantized_cache_type(QuantConfig(bits, 32))
     cfgs = configs(sizes=(24, 40))
     plain, grouped = [qt(c) for c in cfgs], [qt(c) for c in cfgs]
-    assert make_groups(grouped, size=2, use_kernel=False) == []  # opt-in
-    for c in grouped:
-        c.group_steps = True
     make_groups(grouped, size=2, use_kernel=False)
     assert grouped[0]._group is not None and grouped[0]._group is grouped[1]._group
     lengths = [5] + [1] * 60

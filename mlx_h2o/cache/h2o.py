@@ -403,8 +403,9 @@ class H2OKVCache:
 
     def _group_step(self, queries, mask, sinks) -> bool:
         # The evicting steady state: the token went into a victim slot of a
-        # full cache, nothing masks the step.
-        return (self._slot is not None and mask is None and sinks is None
+        # full cache, nothing masks the step. group_steps = False on a member
+        # takes it out at its next step.
+        return (self.group_steps and self._slot is not None and mask is None and sinks is None
                 and self.use_fused_step and self._n == self.max_size
                 and self.window_size is None and self._group.takes(self, queries))
 

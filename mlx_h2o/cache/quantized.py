@@ -83,10 +83,6 @@ class QuantizedH2OKVCache(H2OKVCache):
     """
 
     storage_cls = QuantizedKV
-    # Group steps (one fold launch per token, cache/group.py) are opt-in here:
-    # the quantized group-fold kernel is checked on the CPU side only; its one
-    # H100 check run failed (docs/QUANTIZED.md, session 5).
-    group_steps = False
 
     def __init__(
         self,

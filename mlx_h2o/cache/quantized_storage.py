@@ -144,9 +144,14 @@ class QuantizedKV:
         )
 
     def sdpa(self, queries, keys, values, *, scale):
-        """Attention without scores (a group step's), the ops mlx-lm's
-        QuantizedKVCache decodes with. Not its function: that scales the
-        caller's queries in place, and the group folds the same query later."""
+        """Attention without scores (a group step's). On a GPU: the fused
+        quantized kernel, its scores dropped (MLX 0.32's CUDA
+        ``quantized_matmul`` has no kernel for most cache shapes, e.g. 24 or
+        4097 keys). On the CPU: the ops mlx-lm's QuantizedKVCache decodes with,
+        not its function: that scales the caller's queries in place, and the
+        group folds the same query later."""
+        if mx.default_device() == mx.gpu:
+            return self.attention(queries, keys, values, scale=scale, mask=None, sinks=None)[0]
         B, Hq, L, D = queries.shape
         Hk, gs, bits = keys[0].shape[1], self.group_size, self.bits
         q = (queries * scale).reshape(B, Hk, Hq // Hk, L, D)

@@ -1,0 +1,183 @@
+"""Decode time split, round-robin: host build, dispatch, host wait, GPU kernel time.
+
+    python3 scripts/gpu_split.py [--context 4096] [--budget 256] [--rounds 6]
+        [--steps 32] [--strategies ...] [--no-trace]
+
+A Qwen3-8B-shaped 4-bit model (random weights) decodes as mlx-lm's
+generate_step does: the next token's graph is built (``build``: the forward
+call) and dispatched (``dispatch``: ``mx.async_eval``) while the GPU runs the
+current one, then ``.item()`` waits for it (``wait``). ``wait`` near zero means
+the step is host bound. A serial pass per round dispatches each token to an
+idle GPU: ``disp_idle`` (MLX encoding, the GPU starting as kernels arrive)
+and ``tail`` (GPU time left once it returns). Each round also runs every strategy under
+torch.profiler (CUPTI sees MLX's kernels) for the GPU kernel time per token.
+Strategies are interleaved round by round; ratios are medians of per-round
+ratios (paired). Diagnostic, not a benchmark of record.
+"""
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from gpu_cache_check import prefill  # noqa: E402
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache  # noqa: E402
+import mlx_h2o  # noqa: E402
+from mlx_h2o import H2OConfig, make_h2o_cache  # noqa: E402
+from mlx_h2o.cache import QuantConfig, quantized_cache_type  # noqa: E402
+from mlx_h2o.eval.bench import random_model  # noqa: E402
+
+
+def per_layer(cache):
+    for c in cache:
+        c.group_steps = False  # a group member leaves its group at its next step
+    return cache
+
+
+def quantized(model, cfg, bits, group):
+    cache = make_h2o_cache(model, cfg, cache_type=quantized_cache_type(QuantConfig(bits, 64)))
+    return cache if group else per_layer(cache)
+
+
+def strategies(model, context, budget):
+    n = len(model.layers)
+    cfg = H2OConfig(max_size=budget, heavy_budget=budget // 2)
+    return {
+        "kvcache": lambda: [KVCache() for _ in range(n)],
+        "rotating": lambda: [RotatingKVCache(max_size=budget, keep=4) for _ in range(n)],
+        "h2o": lambda: make_h2o_cache(model, cfg),
+        "h2o_no_evict": lambda: make_h2o_cache(model, H2OConfig(max_size=context + 4096)),
+        "h2o_q8": lambda: quantized(model, cfg, 8, False),
+        "h2o_q8_group": lambda: quantized(model, cfg, 8, True),
+        "h2o_per_layer": lambda: per_layer(make_h2o_cache(model, cfg)),
+        # mlx-lm's own: opt-in, MLX 0.32's CUDA quantized_matmul has no kernel
+        # for 4097 keys, so it fails at the first decode step after prefill
+        "qkv8": lambda: [QuantizedKVCache(group_size=64, bits=8) for _ in range(n)],
+    }
+
+
+def generate_split(model, cache, y, steps):
+    """generate_step's pipeline: ms per token of build / dispatch / wait / wall."""
+    build = disp = wait = 0.0
+    with mlx_h2o.patch():
+        mx.synchronize()
+        tic = time.perf_counter()
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            nxt = model(y, cache=cache)[:, -1:].argmax(-1)
+            t1 = time.perf_counter()
+            mx.async_eval(nxt)
+            t2 = time.perf_counter()
+            y.item() if y.size == 1 else mx.eval(y)
+            t3 = time.perf_counter()
+            build, disp, wait = build + t1 - t0, disp + t2 - t1, wait + t3 - t2
+            y = nxt
+        mx.eval(y)
+        wall = time.perf_counter() - tic
+    ms = 1e3 / steps
+    return y, {"build": build * ms, "dispatch": disp * ms, "wait": wait * ms, "wall": wall * ms}
+
+
+def serial_split(model, cache, y, steps):
+    """One token at a time on an idle GPU: ``disp_idle`` is MLX's encoding cost
+    alone, ``tail`` the GPU time left once it returns (ms per token)."""
+    disp = tail = 0.0
+    with mlx_h2o.patch():
+        for _ in range(steps):
+            y = model(y, cache=cache)[:, -1:].argmax(-1)
+            mx.synchronize()
+            t0 = time.perf_counter()
+            mx.async_eval(y)
+            t1 = time.perf_counter()
+            mx.synchronize()
+            t2 = time.perf_counter()
+            disp, tail = disp + t1 - t0, tail + t2 - t1
+    return y, {"disp_idle": disp * 1e3 / steps, "tail": tail * 1e3 / steps}
+
+
+def kernel_time(model, cache, y, steps):
+    """GPU kernel ms per token (sum of CUPTI kernel durations) and kernels per token."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with mlx_h2o.patch(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            y = model(y, cache=cache)[:, -1:].argmax(-1)
+            mx.async_eval(y)
+        mx.eval(y)
+        mx.synchronize()
+    total, count = 0.0, 0
+    names = collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            t = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            total, count = total + t, count + 1
+            names[e.name[:60]] += t
+    return y, total / steps / 1e3, count / steps, names
+
+
+def paired(rows, a, b, key):
+    return statistics.median(x[key] / y[key] for x, y in zip(rows[a], rows[b]))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--budget", type=int, default=256)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--strategies", nargs="*", default=None, help="default: all but qkv8")
+    p.add_argument("--no-trace", action="store_true", help="skip the CUPTI kernel times")
+    args = p.parse_args()
+    model = random_model("qwen3-8b", bits=4, dtype=mx.bfloat16)
+    print(f"mlx {mx.__version__} context={args.context} budget={args.budget} "
+          f"steps={args.steps} rounds={args.rounds}", flush=True)
+    made = {k: v for k, v in strategies(model, args.context, args.budget).items()
+            if (k in args.strategies if args.strategies else k != "qkv8")}
+    state = {}
+    for name, make in made.items():
+        cache = make()
+        state[name] = [cache, prefill(model, cache, args.context)]
+    rows = {k: [] for k in made}
+    top = {k: collections.Counter() for k in made}
+    for r in range(args.rounds):
+        for name, (cache, y) in state.items():
+            y, row = generate_split(model, cache, y, args.steps)
+            y, idle = serial_split(model, cache, y, args.steps)
+            row.update(idle)
+            if not args.no_trace:
+                y, row["kernel"], row["kernels"], names = kernel_time(model, cache, y, args.steps)
+                top[name].update(names)
+            state[name][1] = y
+            rows[name].append(row)
+            print(f"round={r} {name:>13}: " + " ".join(f"{k} {v:6.2f}" for k, v in row.items()),
+                  flush=True)
+    keys = list(rows[next(iter(rows))][0])
+    print("medians (ms per token) and paired ratios of wall (tok/s ratio = 1 / it):")
+    for name, rs in rows.items():
+        med = {k: statistics.median(x[k] for x in rs) for k in keys}
+        vs = [(ref, paired(rows, ref, name, "wall")) for ref in ("rotating", "kvcache", "h2o")
+              if ref in rows and ref != name]
+        kern = [(ref, paired(rows, name, ref, "kernel")) for ref in ("rotating", "h2o")
+                if "kernel" in keys and ref in rows and ref != name]
+        print(f"  {name:>13}: " + " ".join(f"{k} {v:6.2f}" for k, v in med.items())
+              + "".join(f"  tok/s vs {ref} {v:.3f}" for ref, v in vs)
+              + "".join(f"  kernel ms / {ref}'s {v:.3f}" for ref, v in kern))
+    if not args.no_trace:
+        for name, c in top.items():
+            head = ", ".join(f"{k[:40]} {t / args.steps / args.rounds:.0f}"
+                             for k, t in c.most_common(5))
+            print(f"  top kernels {name} (us/token): {head}")
+    print(json.dumps({"context": args.context, "budget": args.budget, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
