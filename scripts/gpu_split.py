@@ -7,7 +7,8 @@ A Qwen3-8B-shaped 4-bit model (random weights) decodes as mlx-lm's
 generate_step does: the next token's graph is built (``build``: the forward
 call) and dispatched (``dispatch``: ``mx.async_eval``) while the GPU runs the
 current one, then ``.item()`` waits for it (``wait``). ``wait`` near zero means
-the step is host bound. A serial pass per round dispatches each token to an
+the step is host bound; ``cpu`` is the thread's CPU time per token (steadier
+than wall time where the host is shared). A serial pass per round dispatches each token to an
 idle GPU: ``disp_idle`` (MLX encoding, the GPU starting as kernels arrive)
 and ``tail`` (GPU time left once it returns). Each round also runs every strategy under
 torch.profiler (CUPTI sees MLX's kernels) for the GPU kernel time per token.
@@ -22,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+import types
 
 import mlx.core as mx
 
@@ -42,8 +44,16 @@ def per_layer(cache):
     return cache
 
 
-def quantized(model, cfg, bits, group):
+def kernel_sdpa(kv, queries, keys, values, *, scale):
+    """A group step's attention by the fused quantized kernel, scores dropped
+    (the alternative to QuantizedKV.sdpa's dequantize + SDPA)."""
+    return kv.attention(queries, keys, values, scale=scale, mask=None, sinks=None)[0]
+
+
+def quantized(model, cfg, bits, group, by_kernel=False):
     cache = make_h2o_cache(model, cfg, cache_type=quantized_cache_type(QuantConfig(bits, 64)))
+    for c in cache if by_kernel else ():
+        c.kv.sdpa = types.MethodType(kernel_sdpa, c.kv)
     return cache if group else per_layer(cache)
 
 
@@ -57,6 +67,7 @@ def strategies(model, context, budget):
         "h2o_no_evict": lambda: make_h2o_cache(model, H2OConfig(max_size=context + 4096)),
         "h2o_q8": lambda: quantized(model, cfg, 8, False),
         "h2o_q8_group": lambda: quantized(model, cfg, 8, True),
+        "h2o_q8_group_kernel": lambda: quantized(model, cfg, 8, True, by_kernel=True),
         "h2o_per_layer": lambda: per_layer(make_h2o_cache(model, cfg)),
         # mlx-lm's own: opt-in, MLX 0.32's CUDA quantized_matmul has no kernel
         # for 4097 keys, so it fails at the first decode step after prefill
@@ -69,7 +80,7 @@ def generate_split(model, cache, y, steps):
     build = disp = wait = 0.0
     with mlx_h2o.patch():
         mx.synchronize()
-        tic = time.perf_counter()
+        tic, cpu = time.perf_counter(), time.thread_time()
         for _ in range(steps):
             t0 = time.perf_counter()
             nxt = model(y, cache=cache)[:, -1:].argmax(-1)
@@ -81,9 +92,10 @@ def generate_split(model, cache, y, steps):
             build, disp, wait = build + t1 - t0, disp + t2 - t1, wait + t3 - t2
             y = nxt
         mx.eval(y)
-        wall = time.perf_counter() - tic
+        wall, cpu = time.perf_counter() - tic, time.thread_time() - cpu
     ms = 1e3 / steps
-    return y, {"build": build * ms, "dispatch": disp * ms, "wait": wait * ms, "wall": wall * ms}
+    return y, {"build": build * ms, "dispatch": disp * ms, "wait": wait * ms, "wall": wall * ms,
+               "cpu": cpu * ms}
 
 
 def serial_split(model, cache, y, steps):
@@ -124,6 +136,42 @@ def kernel_time(model, cache, y, steps):
     return y, total / steps / 1e3, count / steps, names
 
 
+def op_probe(layers=36, n=256, reps=20):
+    """Dispatch ms (idle GPU) of one token's cache writes + SDPA over ``layers``
+    layers, per write kind: what a decode step costs MLX to encode, by op."""
+    B, Hq, Hk, D, dt = 1, 32, 8, 128, mx.bfloat16
+    kv = [[mx.random.normal((B, Hk, n, D)).astype(dt) for _ in range(2)] for _ in range(layers)]
+    q = mx.random.normal((B, Hq, 1, D)).astype(dt)
+    new = mx.random.normal((B, Hk, 1, D)).astype(dt)
+    idx = mx.random.randint(0, n, (B, Hk, 1, 1)).astype(mx.uint32)
+    mx.eval(kv, q, new, idx)
+
+    def slice_update(a, i):
+        a[..., i % n:i % n + 1, :] = new
+        return a
+
+    def scatter(a, i):
+        return mx.put_along_axis(a, idx, new, axis=2)
+
+    out = {}
+    for name, write in (("slice_update", slice_update), ("put_along_axis", scatter),
+                        ("sdpa_only", None)):
+        times = []
+        for r in range(reps):
+            outs = []
+            for pair in kv:
+                if write is not None:
+                    pair[:] = [write(a, r) for a in pair]
+                outs.append(mx.fast.scaled_dot_product_attention(q, *pair, scale=0.08))
+            mx.synchronize()
+            t0 = time.perf_counter()
+            mx.async_eval(outs, kv)
+            times.append(time.perf_counter() - t0)
+            mx.synchronize()
+        out[name] = statistics.median(times[2:]) * 1e3
+    return out
+
+
 def paired(rows, a, b, key):
     return statistics.median(x[key] / y[key] for x, y in zip(rows[a], rows[b]))
 
@@ -136,7 +184,11 @@ def main():
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--strategies", nargs="*", default=None, help="default: all but qkv8")
     p.add_argument("--no-trace", action="store_true", help="skip the CUPTI kernel times")
+    p.add_argument("--ops", action="store_true", help="also the per-op dispatch probe")
     args = p.parse_args()
+    if args.ops:
+        print("op probe, dispatch ms per token (36 layers, idle GPU):",
+              json.dumps({k: round(v, 3) for k, v in op_probe().items()}), flush=True)
     model = random_model("qwen3-8b", bits=4, dtype=mx.bfloat16)
     print(f"mlx {mx.__version__} context={args.context} budget={args.budget} "
           f"steps={args.steps} rounds={args.rounds}", flush=True)
@@ -164,8 +216,9 @@ def main():
     print("medians (ms per token) and paired ratios of wall (tok/s ratio = 1 / it):")
     for name, rs in rows.items():
         med = {k: statistics.median(x[k] for x in rs) for k in keys}
-        vs = [(ref, paired(rows, ref, name, "wall")) for ref in ("rotating", "kvcache", "h2o")
-              if ref in rows and ref != name]
+        refs = [r for r in ("rotating", "kvcache", "h2o") if r in rows and r != name]
+        vs = [(r, paired(rows, r, name, "wall")) for r in refs]
+        vs += [(f"{r} (cpu time)", paired(rows, r, name, "cpu")) for r in refs]
         kern = [(ref, paired(rows, name, ref, "kernel")) for ref in ("rotating", "h2o")
                 if "kernel" in keys and ref in rows and ref != name]
         print(f"  {name:>13}: " + " ".join(f"{k} {v:6.2f}" for k, v in med.items())

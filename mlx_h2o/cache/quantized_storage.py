@@ -144,16 +144,19 @@ class QuantizedKV:
         )
 
     def sdpa(self, queries, keys, values, *, scale):
-        """Attention without scores (a group step's). On a GPU: the fused
-        quantized kernel, its scores dropped (MLX 0.32's CUDA
-        ``quantized_matmul`` has no kernel for most cache shapes, e.g. 24 or
-        4097 keys). On the CPU: the ops mlx-lm's QuantizedKVCache decodes with,
-        not its function: that scales the caller's queries in place, and the
-        group folds the same query later."""
+        """Attention without scores (a group step's). On a GPU: K and V
+        dequantized, then MLX's fused SDPA (three built-in ops: cheaper to
+        encode than a custom kernel, and MLX 0.32's CUDA ``quantized_matmul``
+        has no kernel for most cache shapes, e.g. 24 or 4097 keys). On the CPU:
+        the ops mlx-lm's QuantizedKVCache decodes with, not its function: that
+        scales the caller's queries in place, and the group folds the same
+        query later."""
+        gs, bits = self.group_size, self.bits
         if mx.default_device() == mx.gpu:
-            return self.attention(queries, keys, values, scale=scale, mask=None, sinks=None)[0]
+            k, v = (mx.dequantize(*t, group_size=gs, bits=bits) for t in (keys, values))
+            return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
         B, Hq, L, D = queries.shape
-        Hk, gs, bits = keys[0].shape[1], self.group_size, self.bits
+        Hk = keys[0].shape[1]
         q = (queries * scale).reshape(B, Hk, Hq // Hk, L, D)
         k, v = ([mx.expand_dims(a, 2) for a in t] for t in (keys, values))
         s = mx.quantized_matmul(q, *k, transpose=True, group_size=gs, bits=bits)
