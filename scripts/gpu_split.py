@@ -1,19 +1,21 @@
 """Decode time split, round-robin: host build, dispatch, host wait, GPU kernel time.
 
     python3 scripts/gpu_split.py [--context 4096] [--budget 256] [--rounds 6]
-        [--steps 32] [--strategies ...] [--no-trace]
+        [--steps 32] [--strategies ...] [--no-trace] [--ops]
 
 A Qwen3-8B-shaped 4-bit model (random weights) decodes as mlx-lm's
 generate_step does: the next token's graph is built (``build``: the forward
 call) and dispatched (``dispatch``: ``mx.async_eval``) while the GPU runs the
-current one, then ``.item()`` waits for it (``wait``). ``wait`` near zero means
-the step is host bound; ``cpu`` is the thread's CPU time per token (steadier
-than wall time where the host is shared). A serial pass per round dispatches each token to an
-idle GPU: ``disp_idle`` (MLX encoding, the GPU starting as kernels arrive)
-and ``tail`` (GPU time left once it returns). Each round also runs every strategy under
-torch.profiler (CUPTI sees MLX's kernels) for the GPU kernel time per token.
+current one, then ``.item()`` waits for it (``wait``). ``wait`` near zero
+means the step is host bound; ``cpu`` is the thread's CPU time per token
+(steadier than wall time where the host is shared). A serial pass per round
+dispatches each token to an idle GPU: ``disp_idle`` (MLX encoding, the GPU
+starting as kernels arrive) and ``tail`` (GPU time left once it returns).
+Unless ``--no-trace``, each round also runs every strategy under
+torch.profiler (CUPTI sees MLX's kernels; it inflates durations) for the
+kernel time per token. ``--ops``: dispatch cost of cache writes + SDPA by op.
 Strategies are interleaved round by round; ratios are medians of per-round
-ratios (paired). Diagnostic, not a benchmark of record.
+ratios (paired). Diagnostic, not a benchmark of record (docs/GPU.md).
 """
 
 import argparse
