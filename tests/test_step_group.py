@@ -44,6 +44,14 @@ def token(caches, L, rng, mask=None, sinks=None, d=D):
     return outs
 
 
+def filled(caches, seed, steps=50):
+    """A prompt of 5 then ``steps`` decode tokens (evicting); the stream's rng."""
+    rng = np.random.default_rng(seed)
+    for L in [5] + [1] * steps:
+        token(caches, L, rng)
+    return rng
+
+
 def run(caches, seed, lengths, check=None, d=D):
     rng = np.random.default_rng(seed)
     outs = []
@@ -110,9 +118,7 @@ def test_release_mid_token_and_masked_step():
     the layers before it fold, the rest keep their victims; decisions unchanged."""
     plain, grouped = layer_sets(configs())
     for caches in (plain, grouped):
-        rng = np.random.default_rng(4)
-        for L in [5] + [1] * 50:
-            token(caches, L, rng)
+        rng = filled(caches, 4)
         # A token whose middle layer gets an explicit (all-true) mask.
         mask = mx.ones((1, 1, 1, caches[1].size()), dtype=mx.bool_)
         for i, c in enumerate(caches):
@@ -131,9 +137,7 @@ def test_group_steps_false_takes_members_out():
     at their next step and decide as per-layer caches from then on."""
     plain, grouped = layer_sets(configs())
     for caches in (plain, grouped):
-        rng = np.random.default_rng(6)
-        for L in [5] + [1] * 50:
-            token(caches, L, rng)
+        rng = filled(caches, 6)
         if caches is grouped:
             assert grouped[0]._group._stacked == grouped
             for c in grouped:
@@ -149,9 +153,7 @@ def test_group_steps_false_takes_members_out():
 def test_trim_and_state_round_trip():
     plain, grouped = layer_sets(configs())
     for caches in (plain, grouped):
-        rng = np.random.default_rng(7)
-        for L in [5] + [1] * 50:
-            token(caches, L, rng)
+        rng = filled(caches, 7)
         for c in caches:
             c.trim(3)
         for L in [1] * 5:
