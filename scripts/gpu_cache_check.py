@@ -122,11 +122,15 @@ def eager(cfg, model):
     return cache
 
 
-def per_layer(cfg, model):
-    cache = make_h2o_cache(model, cfg)
+def without_groups(cache):
+    """The caches' evicting steps without a StepGroup: the fused launch per layer."""
     for c in cache:
-        c._group = None  # the fused launch per layer and step (no group fold)
+        c.group_steps = False  # a member leaves its group at its first decode step
     return cache
+
+
+def per_layer(cfg, model):
+    return without_groups(make_h2o_cache(model, cfg))
 
 
 def views(cfg, model):

@@ -26,6 +26,9 @@ import time
 import mlx.core as mx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from gpu_cache_check import without_groups  # noqa: E402
 
 TINY = r"""
 extern "C" __global__ void h2o_probe_add(const float* x, const float* y,
@@ -148,15 +151,9 @@ def strategies(model, context, budget):
         "rotating": lambda: [RotatingKVCache(max_size=budget, keep=4) for _ in range(n)],
         "h2o_no_evict": lambda: make_h2o_cache(model, H2OConfig(max_size=context + 512)),
         "h2o_evict": lambda: make_h2o_cache(model, H2OConfig(max_size=budget, heavy_budget=budget // 2)),
-        "h2o_perlayer": lambda: _per_layer(make_h2o_cache(
+        "h2o_perlayer": lambda: without_groups(make_h2o_cache(
             model, H2OConfig(max_size=budget, heavy_budget=budget // 2))),
     }
-
-
-def _per_layer(cache):
-    for c in cache:
-        c._group = None  # the fused launch per layer (no group fold)
-    return cache
 
 
 def decode_split(model, cache, context, steps, profile=False):

@@ -32,18 +32,12 @@ import mlx.core as mx
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from gpu_cache_check import prefill  # noqa: E402
+from gpu_cache_check import prefill, without_groups  # noqa: E402
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache  # noqa: E402
 import mlx_h2o  # noqa: E402
 from mlx_h2o import H2OConfig, make_h2o_cache  # noqa: E402
 from mlx_h2o.cache import QuantConfig, quantized_cache_type  # noqa: E402
 from mlx_h2o.eval.bench import random_model  # noqa: E402
-
-
-def per_layer(cache):
-    for c in cache:
-        c.group_steps = False  # a group member leaves its group at its next step
-    return cache
 
 
 def kernel_sdpa(kv, queries, keys, values, *, scale):
@@ -56,7 +50,7 @@ def quantized(model, cfg, bits, group, by_kernel=False):
     cache = make_h2o_cache(model, cfg, cache_type=quantized_cache_type(QuantConfig(bits, 64)))
     for c in cache if by_kernel else ():
         c.kv.sdpa = types.MethodType(kernel_sdpa, c.kv)
-    return cache if group else per_layer(cache)
+    return cache if group else without_groups(cache)
 
 
 def strategies(model, context, budget):
@@ -70,7 +64,7 @@ def strategies(model, context, budget):
         "h2o_q8": lambda: quantized(model, cfg, 8, False),
         "h2o_q8_group": lambda: quantized(model, cfg, 8, True),
         "h2o_q8_group_kernel": lambda: quantized(model, cfg, 8, True, by_kernel=True),
-        "h2o_per_layer": lambda: per_layer(make_h2o_cache(model, cfg)),
+        "h2o_per_layer": lambda: without_groups(make_h2o_cache(model, cfg)),
         # mlx-lm's own: opt-in, MLX 0.32's CUDA quantized_matmul has no kernel
         # for 4097 keys, so it fails at the first decode step after prefill
         "qkv8": lambda: [QuantizedKVCache(group_size=64, bits=8) for _ in range(n)],

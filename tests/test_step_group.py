@@ -241,6 +241,5 @@ def test_quantized_group_equals_per_layer(bits):
 def test_mixed_precision_caches_stay_per_layer():
     qt = quantized_cache_type(QuantConfig(8, 32, recent_bits=4))
     caches = [qt(c) for c in configs(sizes=(24, 24))]
-    for c in caches:
-        c.group_steps = True  # still no: an eviction moves tokens between zones
+    assert caches[0].group_steps  # yet no group: an eviction moves tokens between zones
     assert make_groups(caches, size=2, use_kernel=False) == []
