@@ -38,6 +38,7 @@ import mlx_h2o  # noqa: E402
 from mlx_h2o import H2OConfig, make_h2o_cache  # noqa: E402
 from mlx_h2o.cache import QuantConfig, quantized_cache_type  # noqa: E402
 from mlx_h2o.eval.bench import random_model  # noqa: E402
+from mlx_h2o.kernels.kv_write import write_plan  # noqa: E402
 
 
 def kernel_sdpa(kv, queries, keys, values, *, scale):
@@ -46,11 +47,20 @@ def kernel_sdpa(kv, queries, keys, values, *, scale):
     return kv.attention(queries, keys, values, scale=scale, mask=None, sinks=None)[0]
 
 
-def quantized(model, cfg, bits, group, by_kernel=False):
+def quantized(model, cfg, bits, group, by_kernel=False, fused_write=True):
     cache = make_h2o_cache(model, cfg, cache_type=quantized_cache_type(QuantConfig(bits, 64)))
-    for c in cache if by_kernel else ():
-        c.kv.sdpa = types.MethodType(kernel_sdpa, c.kv)
+    for c in cache:
+        c.kv.fused_write = fused_write
+        if by_kernel:
+            c.kv.sdpa = types.MethodType(kernel_sdpa, c.kv)
     return cache if group else without_groups(cache)
+
+
+def dense_fused_write(cache):
+    """Dense H2O caches whose victim writes go through kernels/kv_write.py."""
+    for c in cache:
+        c.kv.fused_write = True
+    return cache
 
 
 def strategies(model, context, budget):
@@ -64,6 +74,8 @@ def strategies(model, context, budget):
         "h2o_q8": lambda: quantized(model, cfg, 8, False),
         "h2o_q8_group": lambda: quantized(model, cfg, 8, True),
         "h2o_q8_group_kernel": lambda: quantized(model, cfg, 8, True, by_kernel=True),
+        "h2o_q8_group_ops": lambda: quantized(model, cfg, 8, True, fused_write=False),
+        "h2o_fw": lambda: dense_fused_write(make_h2o_cache(model, cfg)),
         "h2o_per_layer": lambda: without_groups(make_h2o_cache(model, cfg)),
         # mlx-lm's own: opt-in, MLX 0.32's CUDA quantized_matmul has no kernel
         # for 4097 keys, so it fails at the first decode step after prefill
@@ -149,22 +161,51 @@ def op_probe(layers=36, n=256, reps=20):
     def scatter(a, i):
         return mx.put_along_axis(a, idx, new, axis=2)
 
+    idx_d = mx.broadcast_to(idx.astype(mx.int32), (B, Hk, 1, D))
+    idx_q = idx.astype(mx.int32)
+    qkv = [[mx.quantize(a, group_size=64, bits=8) for a in pair] for pair in kv]
+    mx.eval(idx_d, idx_q, qkv)
+
+    dense_plan, q8_plan = write_plan(dt, D), write_plan(dt, D, 8, 64, True)
+
+    def kernel_write(pair, i):  # what DenseKV.write_index calls
+        return list(dense_plan(new, new, idx_d, *pair))
+
+    def q8_ops(pair, i):
+        t = mx.quantize(new, group_size=64, bits=8)
+        pair = [tuple(mx.put_along_axis(a, idx_q, x, axis=2) for a, x in zip(p, t)) for p in pair]
+        return pair, [mx.dequantize(*p, group_size=64, bits=8) for p in pair]
+
+    def q8_fused(pair, i):  # what QuantizedKV.write_index calls
+        res = q8_plan(new, new, idx_q, *pair[0], *pair[1])
+        return [tuple(res[:3]), tuple(res[3:6])], res[6:]
+
     out = {}
     for name, write in (("slice_update", slice_update), ("put_along_axis", scatter),
-                        ("sdpa_only", None)):
-        times = []
+                        ("kv_write_kernel", kernel_write), ("sdpa_only", None),
+                        ("q8_ops", q8_ops), ("q8_fused_write", q8_fused)):
+        times, builds = [], []
         for r in range(reps):
             outs = []
-            for pair in kv:
-                if write is not None:
+            mx.synchronize()
+            tb = time.perf_counter()
+            for j, pair in enumerate(kv):
+                if name.startswith("q8"):
+                    qkv[j], dense = write(qkv[j], r)
+                    outs.append(mx.fast.scaled_dot_product_attention(q, *dense, scale=0.08))
+                    continue
+                if write is kernel_write:
+                    pair[:] = write(pair, r)
+                elif write is not None:
                     pair[:] = [write(a, r) for a in pair]
                 outs.append(mx.fast.scaled_dot_product_attention(q, *pair, scale=0.08))
-            mx.synchronize()
             t0 = time.perf_counter()
-            mx.async_eval(outs, kv)
+            mx.async_eval(outs, kv, qkv)
             times.append(time.perf_counter() - t0)
+            builds.append(t0 - tb)
             mx.synchronize()
         out[name] = statistics.median(times[2:]) * 1e3
+        out[name + " (build)"] = statistics.median(builds[2:]) * 1e3
     return out
 
 
@@ -183,7 +224,7 @@ def main():
     p.add_argument("--ops", action="store_true", help="also the per-op dispatch probe")
     args = p.parse_args()
     if args.ops:
-        print("op probe, dispatch ms per token (36 layers, idle GPU):",
+        print("op probe, dispatch (and build) ms per token (36 layers, idle GPU):",
               json.dumps({k: round(v, 3) for k, v in op_probe().items()}), flush=True)
     model = random_model("qwen3-8b", bits=4, dtype=mx.bfloat16)
     print(f"mlx {mx.__version__} context={args.context} budget={args.budget} "

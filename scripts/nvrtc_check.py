@@ -40,7 +40,7 @@ from typing import Callable, Dict, List
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from mlx_h2o.kernels import build, quantized_gpu  # noqa: E402
+from mlx_h2o.kernels import build, kv_write, quantized_gpu  # noqa: E402
 from mlx_h2o.kernels.decode import KEYS_PER_LANE_GROUP, layout  # noqa: E402
 
 _NV = next(iter(glob.glob("/tmp/nv/lib/python3*/site-packages/nvidia/cu13")),
@@ -196,6 +196,24 @@ def quantized_kernels(D: int, G: int) -> List[Kernel]:
     return out
 
 
+def write_kernels(D: int) -> List[Kernel]:
+    """kv_write's kernels: dense, and triples (4/8-bit, GS 64) with and
+    without dense outputs (IDXW 1: the quantized index; D for dense)."""
+    out = []
+    for quantized, dense_out in ((False, True), (True, True), (True, False)):
+        inputs, outputs = kv_write.names(quantized, dense_out)
+        src = kv_write.source("cuda", quantized, dense_out)
+        types = {"idx": "int32_t"}
+        types.update({n: "uint32_t" for n in inputs + outputs if n.startswith(("kw", "vw"))})
+        for bits in ((4, 8) if quantized else (None,)):
+            def tmpl(dt, bits=bits):
+                t = [("T", dt), ("D", D)]
+                return t + ([("BITS", bits), ("GS", 64), ("IDXW", 1)] if bits else [("IDXW", D)])
+            label = f"kvwrite quantized={quantized} dense_out={dense_out} bits={bits}"
+            out.append(Kernel(label, *src, inputs, outputs, tmpl, types))
+    return out
+
+
 # --- MLX's JIT headers ----------------------------------------------------------
 def mlx_jit_headers(libmlx: str) -> dict:
     """{include name: text} of the device headers libmlx.so hands to NVRTC
@@ -314,7 +332,7 @@ def _compile(program):
 def programs(args) -> List[tuple]:
     """(tag, function name, source) of every program to compile."""
     D, G, HK, L = (int(x) for x in args.shape.split(","))
-    kernels = build_kernels(D, G, HK, L) + quantized_kernels(D, G)
+    kernels = build_kernels(D, G, HK, L) + quantized_kernels(D, G) + write_kernels(D)
     jobs = [(k, dt) for k in kernels if args.only in k.label
             for dt in args.dtypes.split(",")]
     out = []

@@ -158,3 +158,36 @@ def test_grouped_caches_match_per_layer_on_gpu(quant):
                                       np.array(p.positions[..., :n]))
         np.testing.assert_allclose(np.array(g.score[..., :n]), np.array(p.score[..., :n]),
                                    rtol=1e-4, atol=1e-5)
+
+
+@needs_gpu
+@pytest.mark.parametrize("quant", [None, (8, 64), (4, 32)])
+def test_fused_write_matches_scatters_on_gpu(quant):
+    """Grouped caches whose evicting steps write through kernels/kv_write.py vs
+    the same caches writing with mx.quantize + put_along_axis: same kept
+    positions at the end, stored K/V equal, outputs within one dtype rounding."""
+    from mlx_h2o.cache import H2OKVCache, QuantConfig, quantized_cache_type
+    from mlx_h2o.cache.group import make_groups
+    from test_step_group import configs, run
+
+    cls = H2OKVCache if quant is None else quantized_cache_type(QuantConfig(*quant))
+    cfgs = configs(sizes=(24, 40, 31))
+    sets = [[cls(c) for c in cfgs] for _ in range(2)]
+    for fused, caches in zip((False, True), sets):
+        make_groups(caches, size=3, use_kernel=True)
+        for c in caches:
+            c.kv.fused_write = fused
+    a = run(sets[0], 5, [5] + [1] * 70, d=64)
+    b = run(sets[1], 5, [5] + [1] * 70, d=64)
+    assert all(c.kv._write_plan is not None for c in sets[1])  # the kernel wrote
+    assert all(c.kv._write_plan is None for c in sets[0])
+    for step_a, step_b in zip(a, b):
+        for x, y in zip(step_a, step_b):
+            np.testing.assert_allclose(x, y, rtol=1e-2, atol=1e-2)
+    for p, g in zip(*sets):
+        n = p.size()
+        assert (p.offset, p.evicted, n) == (g.offset, g.evicted, g.size()) and p.evicted > 0
+        np.testing.assert_array_equal(np.array(g.positions[..., :n]),
+                                      np.array(p.positions[..., :n]))
+        for x, y in zip(p.kv.state(n), g.kv.state(n)):
+            np.testing.assert_array_equal(np.array(x), np.array(y))

@@ -120,7 +120,7 @@ class H2OKVCache:
         if L == 1 and self._n >= self.max_size and self._victim is not None:
             # The fused step picked this victim and writes the slot's metadata.
             self._slot, self._meta_pending = self._victim, True
-            self.kv.write_index(self._slot, keys, values)
+            self.kv.write_index(self._slot, keys, values, for_sdpa=self._group is not None)
             self.evicted += 1
         elif L == 1 and self._n >= self.max_size:
             self._slot = self._write_into_victim(keys, values)

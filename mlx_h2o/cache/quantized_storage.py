@@ -14,6 +14,7 @@ biases kept, so it represents the same values it was written with.
 
 import mlx.core as mx
 
+from ..kernels.kv_write import write_plan, write_supported
 from ..kernels.quantized import quantized_attention
 from ..kernels.quantized_reference import dequantize
 from .storage import resize_slots, take_slots
@@ -60,11 +61,18 @@ def _select(cond: mx.array, a: Triple, b: Triple) -> Triple:
 class QuantizedKV:
     """Keys and values as (B, n_kv_heads, slots, ·) affine-quantized triples."""
 
+    # On a GPU, a decode token goes into its victim slot in one launch that
+    # also hands the group step's SDPA the dequantized K/V (kernels/kv_write.py);
+    # False: mx.quantize + six scatters (+ two mx.dequantize in ``sdpa``).
+    fused_write = True
+
     def __init__(self, bits: int = 8, group_size: int = 64):
         self.bits, self.group_size = bits, group_size
         self.keys: Triple | None = None
         self.values: Triple | None = None
         self.group_kind = ("quantized", bits, group_size)  # cache/group.py
+        self._write_sig = self._write_plan = None
+        self._dense = None  # (triples written, dense K, dense V) for the next sdpa
 
     @property
     def capacity(self) -> int:
@@ -97,11 +105,31 @@ class QuantizedKV:
     def write_slot(self, slot: mx.array, keys: mx.array, values: mx.array):
         self.put(slot, self.quantize(keys), self.quantize(values))
 
-    def write_index(self, index: mx.array, keys: mx.array, values: mx.array):
+    def write_index(self, index: mx.array, keys: mx.array, values: mx.array,
+                    for_sdpa: bool = False):
         """Write one token per row at ``index`` (B, Hk, 1, 1): a fold step's victim,
         used as is by all six scatters (no per-array index reshapes: decode is
-        host-bound, every graph node counts)."""
-        self._put_index(index, self.quantize(keys), self.quantize(values))
+        host-bound, every graph node counts). ``for_sdpa``: ``sdpa`` attends
+        next (a group step), so the fused write also gives the dense K/V."""
+        plan = self._fused_write_plan(keys, values, index, for_sdpa)
+        if plan is None:
+            self._put_index(index, self.quantize(keys), self.quantize(values))
+            return
+        res = plan(keys, values, index, *self.keys, *self.values)
+        self.keys, self.values = tuple(res[:3]), tuple(res[3:6])
+        self._dense = (self.keys, res[6], res[7]) if for_sdpa else None
+
+    def _fused_write_plan(self, keys, values, index, for_sdpa):
+        """kv_write's plan for these shapes, or None; decided once per signature."""
+        sig = (keys.shape, keys.dtype, values.shape, index.shape, index.dtype,
+               mx.default_device(), for_sdpa, self.fused_write)
+        if sig != self._write_sig:
+            ok = self.fused_write and write_supported(keys, values, index, self.bits,
+                                                      self.group_size)
+            self._write_plan = write_plan(keys.dtype, keys.shape[3], self.bits,
+                                          self.group_size, for_sdpa) if ok else None
+            self._write_sig = sig
+        return self._write_plan
 
     def put(self, slot: mx.array, keys: Triple, values: Triple):
         """Write already-quantized (B, Hk, 1, ·) triples into slot (B, Hk, 1)."""
@@ -152,6 +180,9 @@ class QuantizedKV:
         scales the caller's queries in place, and the group folds the same
         query later."""
         gs, bits = self.group_size, self.bits
+        dense, self._dense = self._dense, None
+        if dense is not None and dense[0] is keys:  # the fused write's K/V
+            return mx.fast.scaled_dot_product_attention(queries, *dense[1:], scale=scale)
         if mx.default_device() == mx.gpu:
             k, v = (mx.dequantize(*t, group_size=gs, bits=bits) for t in (keys, values))
             return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)

@@ -8,6 +8,7 @@ triples and its own attention with the same interface.
 import mlx.core as mx
 
 from ..kernels import scaled_dot_product_attention_with_scores
+from ..kernels.kv_write import write_plan, write_supported
 
 
 def resize_slots(old, n: int, shape, dtype):
@@ -44,9 +45,13 @@ class DenseKV:
 
     # What a StepGroup's fold reads (cache/group.py); layers of one kind fold together.
     group_kind = ("dense",)
+    # On a GPU, write a decode token into its victim slot with one launch
+    # (kernels/kv_write.py) instead of two put_along_axis.
+    fused_write = False
 
     def __init__(self):
         self.keys = self.values = None
+        self._write_sig = self._write_plan = None
 
     @property
     def capacity(self) -> int:
@@ -68,8 +73,18 @@ class DenseKV:
         self.keys = put_slot(self.keys, slot, keys)
         self.values = put_slot(self.values, slot, values)
 
-    def write_index(self, index: mx.array, keys: mx.array, values: mx.array):
+    def write_index(self, index: mx.array, keys: mx.array, values: mx.array,
+                    for_sdpa: bool = False):
         """Write one token per row at ``index`` (B, Hk, 1, D), already broadcast."""
+        sig = (keys.shape, keys.dtype, values.shape, index.shape, index.dtype,
+               mx.default_device(), self.fused_write)
+        if sig != self._write_sig:
+            ok = self.fused_write and write_supported(keys, values, index)
+            self._write_plan = write_plan(keys.dtype, keys.shape[3]) if ok else None
+            self._write_sig = sig
+        if self._write_plan is not None:
+            self.keys, self.values = self._write_plan(keys, values, index, self.keys, self.values)
+            return
         self.keys = mx.put_along_axis(self.keys, index, keys, axis=2)
         self.values = mx.put_along_axis(self.values, index, values, axis=2)
 

@@ -1,0 +1,276 @@
+"""Write one decode token per (sequence, KV head) into its victim slot, in one launch.
+
+An evicting decode step writes the new token into the slot its fold picked.
+With built-in ops that is a ``put_along_axis`` per array: two for dense K/V,
+and for quantized triples two ``mx.quantize`` + six scatters + two
+``mx.dequantize`` before MLX's SDPA can read them. Decode on the H100 is host
+bound (docs/GPU.md, "Session 6"): each op costs ~5-9 us to build and encode,
+so the quantized step's ~11 ops per layer, not its GPU time, made it ~0.67x
+of the dense one. ``quantized_write`` does that write in one launch: it
+quantizes the token as ``mx.quantize`` does (same formulas, float32, IEEE
+division), writes the triples and, for the SDPA that follows, the dequantized
+K/V of every slot (transient; freed once attended).
+
+MLX custom kernels cannot write an input in place, so the outputs are new
+buffers and every slot is copied: ~2 x (K+V packed) + dense bytes per layer
+step (8-bit, 1K slots, 8 KV heads, D 128: ~8 MB, ~4 us at the H100's
+2.4 TB/s). ``dense_write`` is the same for plain K/V (two outputs instead of
+two scatters).
+
+Shapes: keys/values (B, Hk, 1, D); index (B, Hk, 1, W) int32, the slot in
+its first column (W = 1 for triples, D for a dense fold's broadcast victim);
+stored triples (B, Hk, cap, D * bits / 32) uint32 and (B, Hk, cap, D / gs)
+scales / biases of the keys' dtype; dense buffers (B, Hk, cap, D).
+"""
+
+from functools import lru_cache
+from string import Template
+from typing import NamedTuple, Optional
+
+import mlx.core as mx
+
+from .build import _digest, _prelude, gpu_backend
+
+NT = 256
+DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+BITS = (2, 4, 8)
+GROUP_SIZES = (32, 64, 128)
+CHUNK = 8  # dense copy: elements per thread
+
+KV_HEADER = r"""
+#if defined(__METAL_VERSION__)
+#define H2O_DIV(a, b) metal::precise::divide((a), (b))
+#define H2O_ROUND(x) metal::round(x)
+#define H2O_FLT_MAX FLT_MAX
+#else
+#define H2O_DIV(a, b) __fdiv_rn((a), (b))
+#define H2O_ROUND(x) roundf(x)
+#define H2O_FLT_MAX 3.402823466e+38f
+#endif
+"""
+
+# One thread per (row, slot, group) of K (blk_y 0) or V (blk_y 1). The
+# victim slot's thread quantizes the new token's group as mlx's affine
+# quantize does (w_max starts at 0, as there); the others copy.
+QUANT_BODY = Template(r"""
+$IDS
+  constexpr int WPR = D * BITS / 32;  // code words per row
+  constexpr int SPR = D / GS;  // scales per row
+  constexpr int GW = GS * BITS / 32;  // code words per group
+  constexpr int PW = 32 / BITS;  // codes per word
+  constexpr unsigned MASKB = (1u << BITS) - 1u;
+  const float NBINS = static_cast<float>((1 << BITS) - 1);
+  const i64 cap = kw_shape[2];
+  const i64 gid = (i64)blk_x * $NT + tid;
+  if (gid >= (i64)kw_shape[0] * kw_shape[1] * cap * SPR) return;
+  const int g = (int)(gid % SPR);
+  const i64 rs = gid / SPR;  // row * cap + slot
+  const i64 r = rs / cap;
+  const bool is_v = blk_y == 1;
+  auto w_in = is_v ? vw : kw;
+  auto s_in = is_v ? vs : ks;
+  auto b_in = is_v ? vb : kb;
+  auto w_out = is_v ? vw_out : kw_out;
+  auto s_out = is_v ? vs_out : ks_out;
+  auto b_out = is_v ? vb_out : kb_out;
+  const i64 wo = rs * WPR + g * GW;
+  const i64 so = rs * SPR + g;
+  float sc, bi;
+  if ((rs % cap) == (i64)idx[r * IDXW]) {
+    auto x_in = (is_v ? vn : kn) + r * D + g * GS;
+    float x[GS];
+    float w_min = H2O_FLT_MAX;
+    float w_max = 0.0f;
+    H2O_UNROLL
+    for (int i = 0; i < GS; ++i) {
+      x[i] = static_cast<float>(x_in[i]);
+      w_min = H2O_MIN(w_min, x[i]);
+      w_max = H2O_FMAX(w_max, x[i]);
+    }
+    float scale = H2O_FMAX(H2O_DIV(w_max - w_min, NBINS), 1e-7f);
+    const bool side = H2O_FABS(w_min) > H2O_FABS(w_max);
+    scale = side ? scale : -scale;
+    const float edge = side ? w_min : w_max;
+    const float q0 = H2O_ROUND(H2O_DIV(edge, scale));
+    const bool at_zero = q0 == 0.0f;
+    scale = at_zero ? scale : H2O_DIV(edge, q0);
+    const float bias = at_zero ? 0.0f : edge;
+    s_out[so] = static_cast<T>(scale);
+    b_out[so] = static_cast<T>(bias);
+    H2O_UNROLL
+    for (int j = 0; j < GW; ++j) {
+      unsigned word = 0u;
+      H2O_UNROLL
+      for (int e = 0; e < PW; ++e) {
+        const float c = H2O_ROUND(H2O_DIV(x[j * PW + e] - bias, scale));
+        word |= ((unsigned)H2O_FMAX(0.0f, H2O_MIN(c, NBINS))) << (e * BITS);
+      }
+      w_out[wo + j] = word;
+    }
+    sc = static_cast<float>(static_cast<T>(scale));
+    bi = static_cast<float>(static_cast<T>(bias));
+  } else {
+    const T s_ = s_in[so];
+    const T b_ = b_in[so];
+    s_out[so] = s_;
+    b_out[so] = b_;
+    H2O_UNROLL
+    for (int j = 0; j < GW; ++j) w_out[wo + j] = w_in[wo + j];
+    sc = static_cast<float>(s_);
+    bi = static_cast<float>(b_);
+  }
+$DENSE
+""")
+
+# The slots' values as mx.dequantize gives them (scale * code + bias, one
+# rounding to T), for MLX's SDPA.
+DENSE_OUT = r"""
+  auto d_out = (is_v ? vd : kd) + rs * D + g * GS;
+  H2O_UNROLL
+  for (int j = 0; j < GW; ++j) {
+    const unsigned word = w_out[wo + j];
+    H2O_UNROLL
+    for (int e = 0; e < PW; ++e) {
+      const float c = static_cast<float>((word >> (e * BITS)) & MASKB);
+      d_out[j * PW + e] = static_cast<T>(sc * c + bi);
+    }
+  }
+"""
+
+# One thread per (row, slot, CHUNK elements) of K (blk_y 0) or V (blk_y 1).
+DENSE_BODY = Template(r"""
+$IDS
+  constexpr int CPR = D / $CHUNK;  // chunks per row
+  const i64 cap = k_shape[2];
+  const i64 gid = (i64)blk_x * $NT + tid;
+  if (gid >= (i64)k_shape[0] * k_shape[1] * cap * CPR) return;
+  const int c = (int)(gid % CPR);
+  const i64 rs = gid / CPR;  // row * cap + slot
+  const i64 r = rs / cap;
+  const bool is_v = blk_y == 1;
+  auto dst = (is_v ? v_out : k_out) + rs * D + c * $CHUNK;
+  auto src = (rs % cap) == (i64)idx[r * IDXW]
+      ? (is_v ? vn : kn) + r * D + c * $CHUNK
+      : (is_v ? v : k) + rs * D + c * $CHUNK;
+  H2O_UNROLL
+  for (int e = 0; e < $CHUNK; ++e) dst[e] = src[e];
+""")
+
+
+def names(quantized: bool, dense_out: bool = True):
+    """Input and output names of the write kernel."""
+    if not quantized:
+        return ["kn", "vn", "idx", "k", "v"], ["k_out", "v_out"]
+    triples = ["kw", "ks", "kb", "vw", "vs", "vb"]
+    outputs = [f"{t}_out" for t in triples] + (["kd", "vd"] if dense_out else [])
+    return ["kn", "vn", "idx", *triples], outputs
+
+
+def source(backend: str, quantized: bool, dense_out: bool = True):
+    """(header, body) of the write kernel."""
+    header, ids = _prelude(backend)
+    if quantized:
+        body = QUANT_BODY.substitute(IDS=ids, NT=NT, DENSE=DENSE_OUT if dense_out else "")
+    else:
+        body = DENSE_BODY.substitute(IDS=ids, NT=NT, CHUNK=CHUNK)
+    return header + KV_HEADER, body
+
+
+@lru_cache(maxsize=None)
+def _make_write_kernel(quantized: bool, dense_out: bool = True):
+    """The write kernel, or None without a GPU backend. Inputs are made
+    row-contiguous (they are indexed flat; cache buffers already are)."""
+    backend = gpu_backend()
+    if backend is None:
+        return None
+    header, body = source(backend, quantized, dense_out)
+    inputs, outputs = names(quantized, dense_out)
+    kind = f"q{int(dense_out)}" if quantized else "d"
+    make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
+    return make(name=f"h2o_kvwrite_{kind}_{_digest(header, body)}", input_names=inputs,
+                output_names=outputs, source=body, header=header, ensure_row_contiguous=True)
+
+
+def write_supported(keys: mx.array, values: mx.array, index: mx.array,
+                    bits: Optional[int] = None, group_size: int = 64) -> bool:
+    """Whether the write kernel runs here for these shapes (``bits``: triples)."""
+    B, Hk, L, D = keys.shape
+    quant_ok = bits is None or (bits in BITS and group_size in GROUP_SIZES
+                                and D % group_size == 0)
+    return (gpu_backend() is not None and mx.default_device() == mx.gpu and L == 1
+            and keys.dtype in DTYPES and values.dtype == keys.dtype
+            and values.shape == keys.shape and D % CHUNK == 0 and quant_ok
+            and index.shape[:3] == (B, Hk, 1) and index.dtype == mx.int32)
+
+
+class QuantizedWrite(NamedTuple):
+    keys: tuple  # (w, scales, biases), the token written
+    values: tuple
+    dense_keys: Optional[mx.array]  # (B, Hk, cap, D) dequantized, or None
+    dense_values: Optional[mx.array]
+
+
+class WritePlan:
+    """The write for fixed settings; calls replay through mx.compile (host time)."""
+
+    def __init__(self, dtype, D, bits=None, group_size=64, dense_out=True):
+        self.quantized, self.dense_out = bits is not None, dense_out
+        self.kernel = _make_write_kernel(self.quantized, dense_out)
+        self.dtype, self.D = dtype, D
+        self.template = [("T", dtype), ("D", D)]
+        if self.quantized:
+            self.template += [("BITS", bits), ("GS", group_size)]
+        self._steady = mx.compile(self._launch)
+
+    def __call__(self, *arrays):
+        return self._steady(*arrays)
+
+    def _launch(self, kn, vn, idx, *stored, poison=None):
+        """One launch (``poison``, tests: what an unwritten output element reads)."""
+        B, Hk, cap = stored[0].shape[:3]
+        per_row = self.D // (self.template[-1][1] if self.quantized else CHUNK)
+        threads = -(-B * Hk * cap * per_row // NT) * NT
+        template = self.template + [("IDXW", idx.shape[-1])]
+        if self.quantized:
+            shapes = [a.shape for a in stored]
+            dtypes = [a.dtype for a in stored]
+            if self.dense_out:
+                shapes += [(B, Hk, cap, self.D)] * 2
+                dtypes += [self.dtype] * 2
+        else:
+            shapes, dtypes = [a.shape for a in stored], [self.dtype] * 2
+        return self.kernel(inputs=[kn, vn, idx, *stored], template=template,
+                           grid=(threads, 2, 1), threadgroup=(NT, 1, 1),
+                           output_shapes=shapes, output_dtypes=dtypes, init_value=poison)
+
+
+@lru_cache(maxsize=32)
+def write_plan(dtype, D, bits=None, group_size=64, dense_out=True) -> WritePlan:
+    return WritePlan(dtype, D, bits, group_size, dense_out)
+
+
+def _check(keys, values, index, bits, group_size):
+    if not write_supported(keys, values, index, bits, group_size):
+        raise ValueError(
+            f"kv write kernel: not supported here for keys {keys.shape} {keys.dtype}, "
+            f"values {values.shape} {values.dtype}, index {index.shape} {index.dtype}, "
+            f"bits={bits}, group_size={group_size} (backend={gpu_backend()}, "
+            f"device={mx.default_device()})")
+
+
+def quantized_write(keys, values, index, stored_keys, stored_values, *, bits: int,
+                    group_size: int, dense_out: bool = True) -> QuantizedWrite:
+    """Quantize one token per row and write it into slot ``index`` of the
+    stored triples; with ``dense_out`` also every slot dequantized (T)."""
+    _check(keys, values, index, bits, group_size)
+    plan = write_plan(keys.dtype, keys.shape[3], bits, group_size, dense_out)
+    res = plan(keys, values, index, *stored_keys, *stored_values)
+    dense = (res[6], res[7]) if dense_out else (None, None)
+    return QuantizedWrite(tuple(res[:3]), tuple(res[3:6]), *dense)
+
+
+def dense_write(keys, values, index, stored_keys, stored_values):
+    """(keys, values) buffers with one token per row written into slot ``index``."""
+    _check(keys, values, index, None, 64)
+    plan = write_plan(keys.dtype, keys.shape[3])
+    return tuple(plan(keys, values, index, stored_keys, stored_values))
