@@ -40,6 +40,11 @@ def test_write_not_supported_without_gpu_device():
             kv_write.quantized_write(k, k, idx, None, None, bits=8, group_size=64)
 
 
+def _np(a):
+    """numpy copy; float16 / bfloat16 go through float32 (exactly)."""
+    return np.array(a.astype(mx.float32) if a.dtype in (mx.float16, mx.bfloat16) else a)
+
+
 def _rand(rng, shape, dtype, scale=1.0):
     return mx.array((rng.standard_normal(shape) * scale).astype(np.float32)).astype(dtype)
 
@@ -61,7 +66,7 @@ def _launch(plan, *arrays):
 
 def _dense_ref64(t, bits, gs):
     """float64 scale * code + bias of a stored triple."""
-    w, s, b = (np.array(a.astype(mx.float32) if a.dtype != mx.uint32 else a) for a in t)
+    w, s, b = (_np(a) for a in t)
     shifts = np.arange(0, 32, bits, dtype=np.uint32)
     codes = ((w[..., None] >> shifts) & ((1 << bits) - 1)).reshape(*w.shape[:-1], -1)
     s64 = np.repeat(s.astype(np.float64), gs, axis=-1)
@@ -101,7 +106,7 @@ def test_quantized_write_matches_mx_quantize(dtype, D, bits, gs, dense_out):
             want = [mx.put_along_axis(a, idx, x, axis=2) for a, x in zip(stored, q)]
             for g, w in zip(out, want):
                 assert g.dtype == w.dtype and g.shape == w.shape
-                np.testing.assert_array_equal(np.array(g), np.array(w))
+                np.testing.assert_array_equal(_np(g), _np(w))
         if dense_out:
             for t, d in ((got[:3], got[6]), (got[3:6], got[7])):
                 assert d.shape == (B, Hk, cap, D) and d.dtype == dtype
@@ -109,7 +114,7 @@ def test_quantized_write_matches_mx_quantize(dtype, D, bits, gs, dense_out):
         # The compiled (steady-state) call gives the same arrays.
         again = plan(kn, vn, idx, *ks, *vs)
         for g, a in zip(got, again):
-            np.testing.assert_array_equal(np.array(g), np.array(a))
+            np.testing.assert_array_equal(_np(g), _np(a))
 
 
 @needs_gpu
@@ -124,10 +129,10 @@ def test_dense_write_matches_put_along_axis(dtype, D):
         plan = kv_write.write_plan(dtype, D)
         got = _launch(plan, kn, vn, idx, k, v)
         for g, a, x in zip(got, (k, v), (kn, vn)):
-            np.testing.assert_array_equal(np.array(g), np.array(mx.put_along_axis(a, idx, x, axis=2)))
+            np.testing.assert_array_equal(_np(g), _np(mx.put_along_axis(a, idx, x, axis=2)))
         ko, vo = kv_write.dense_write(kn, vn, idx, k, v)
-        np.testing.assert_array_equal(np.array(ko), np.array(got[0]))
-        np.testing.assert_array_equal(np.array(vo), np.array(got[1]))
+        np.testing.assert_array_equal(_np(ko), _np(got[0]))
+        np.testing.assert_array_equal(_np(vo), _np(got[1]))
 
 
 @needs_gpu
@@ -143,4 +148,4 @@ def test_quantized_write_handles_sliced_inputs():
     res = kv_write.quantized_write(kn, vn, idx, ks, vs, bits=bits, group_size=gs)
     q = mx.quantize(kn, group_size=gs, bits=bits)
     for g, a, x in zip(res.keys, ks, q):
-        np.testing.assert_array_equal(np.array(g), np.array(mx.put_along_axis(a, idx, x, axis=2)))
+        np.testing.assert_array_equal(_np(g), _np(mx.put_along_axis(a, idx, x, axis=2)))
