@@ -13,7 +13,8 @@ dispatches each token to an idle GPU: ``disp_idle`` (MLX encoding, the GPU
 starting as kernels arrive) and ``tail`` (GPU time left once it returns).
 Unless ``--no-trace``, each round also runs every strategy under
 torch.profiler (CUPTI sees MLX's kernels; it inflates durations) for the
-kernel time per token. ``--ops``: dispatch cost of cache writes + SDPA by op.
+kernel time per token. ``--ops``: build and dispatch cost of cache writes + SDPA
+by op, and of the group fold.
 Strategies are interleaved round by round; ratios are medians of per-round
 ratios (paired). Diagnostic, not a benchmark of record (docs/GPU.md).
 """
@@ -38,6 +39,7 @@ import mlx_h2o  # noqa: E402
 from mlx_h2o import H2OConfig, make_h2o_cache  # noqa: E402
 from mlx_h2o.cache import QuantConfig, quantized_cache_type  # noqa: E402
 from mlx_h2o.eval.bench import random_model  # noqa: E402
+from mlx_h2o.kernels.group_fold import group_fold, layer_params  # noqa: E402
 from mlx_h2o.kernels.kv_write import write_plan  # noqa: E402
 
 
@@ -209,6 +211,38 @@ def op_probe(layers=36, n=256, reps=20):
     return out
 
 
+def fold_probe(layers=36, M=256, reps=20, bits=None):
+    """Build and dispatch ms (idle GPU) of one token's group fold over ``layers``
+    layers (kernels/group_fold.py; ``bits``: K as triples), chained as in decode."""
+    B, Hq, Hk, D, dt, offset = 1, 32, 8, 128, mx.bfloat16, 5000
+    qs = [mx.random.normal((B, Hq, 1, D)).astype(dt) for _ in range(layers)]
+    keys = [mx.random.normal((B, Hk, M, D)).astype(dt) for _ in range(layers)]
+    if bits is not None:
+        keys = [mx.quantize(k, group_size=64, bits=bits) for k in keys]
+    pos = mx.broadcast_to(mx.arange(offset - 1 - M, offset - 1, dtype=mx.int32),
+                          (layers * B, Hk, M)) + 0
+    score, count = mx.random.uniform(shape=pos.shape), mx.ones(pos.shape)
+    slot = mx.zeros((layers * B, Hk, 1, D), mx.int32)
+    lay_i = mx.array([layer_params(offset, 4, M // 2, M, M)] * layers, dtype=mx.int32)
+    lay_f = mx.array([[D ** -0.5, 0.95, 0.05, 0.0]] * layers, mx.float32)
+    mx.eval(qs, keys, pos, score, count, slot, lay_i, lay_f)
+    builds, disps = [], []
+    for _ in range(reps):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        res = group_fold(qs, keys, lay_i, lay_f, pos, score, count, slot,
+                         mode="accumulated", bits=bits)
+        t1 = time.perf_counter()
+        mx.async_eval(res.positions, res.victims)
+        t2 = time.perf_counter()
+        builds.append(t1 - t0)
+        disps.append(t2 - t1)
+        pos, score, count, slot, lay_i = res.positions, res.score, res.count, res.victim, res.lay_i
+        mx.synchronize()
+    return {"build": statistics.median(builds[2:]) * 1e3,
+            "dispatch": statistics.median(disps[2:]) * 1e3}
+
+
 def paired(rows, a, b, key):
     return statistics.median(x[key] / y[key] for x, y in zip(rows[a], rows[b]))
 
@@ -226,6 +260,10 @@ def main():
     if args.ops:
         print("op probe, dispatch (and build) ms per token (36 layers, idle GPU):",
               json.dumps({k: round(v, 3) for k, v in op_probe().items()}), flush=True)
+        for bits in (None, 8):
+            print(f"fold probe, ms per token (36 layers, bits={bits}):",
+                  json.dumps({k: round(v, 3) for k, v in fold_probe(bits=bits).items()}),
+                  flush=True)
     model = random_model("qwen3-8b", bits=4, dtype=mx.bfloat16)
     print(f"mlx {mx.__version__} context={args.context} budget={args.budget} "
           f"steps={args.steps} rounds={args.rounds}", flush=True)

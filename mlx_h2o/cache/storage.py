@@ -76,15 +76,17 @@ class DenseKV:
     def write_index(self, index: mx.array, keys: mx.array, values: mx.array,
                     for_sdpa: bool = False):
         """Write one token per row at ``index`` (B, Hk, 1, D), already broadcast."""
-        sig = (keys.shape, keys.dtype, values.shape, index.shape, index.dtype,
-               mx.default_device(), self.fused_write)
-        if sig != self._write_sig:
-            ok = self.fused_write and write_supported(keys, values, index)
-            self._write_plan = write_plan(keys.dtype, keys.shape[3]) if ok else None
-            self._write_sig = sig
-        if self._write_plan is not None:
-            self.keys, self.values = self._write_plan(keys, values, index, self.keys, self.values)
-            return
+        if self.fused_write:  # off by default: no signature check per step
+            sig = (keys.shape, keys.dtype, values.shape, index.shape, index.dtype,
+                   mx.default_device())
+            if sig != self._write_sig:
+                ok = write_supported(keys, values, index)
+                self._write_plan = write_plan(keys.dtype, keys.shape[3]) if ok else None
+                self._write_sig = sig
+            if self._write_plan is not None:
+                self.keys, self.values = self._write_plan(keys, values, index, self.keys,
+                                                          self.values)
+                return
         self.keys = mx.put_along_axis(self.keys, index, keys, axis=2)
         self.values = mx.put_along_axis(self.values, index, values, axis=2)
 
