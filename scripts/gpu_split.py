@@ -39,7 +39,8 @@ import mlx_h2o  # noqa: E402
 from mlx_h2o import H2OConfig, make_h2o_cache  # noqa: E402
 from mlx_h2o.cache import QuantConfig, quantized_cache_type  # noqa: E402
 from mlx_h2o.eval.bench import random_model  # noqa: E402
-from mlx_h2o.kernels.group_fold import group_fold, layer_params  # noqa: E402
+from mlx_h2o.kernels.group_fold import GroupFold, group_fold, group_plan  # noqa: E402
+from mlx_h2o.kernels.group_fold import layer_params  # noqa: E402
 from mlx_h2o.kernels.kv_write import write_plan  # noqa: E402
 
 
@@ -182,10 +183,15 @@ def op_probe(layers=36, n=256, reps=20):
         res = q8_plan(new, new, idx_q, *pair[0], *pair[1])
         return [tuple(res[:3]), tuple(res[3:6])], res[6:]
 
+    def q8_direct(pair, i):  # the same launch without mx.compile
+        res = q8_plan._launch(new, new, idx_q, *pair[0], *pair[1])
+        return [tuple(res[:3]), tuple(res[3:6])], res[6:]
+
     out = {}
     for name, write in (("slice_update", slice_update), ("put_along_axis", scatter),
                         ("kv_write_kernel", kernel_write), ("sdpa_only", None),
-                        ("q8_ops", q8_ops), ("q8_fused_write", q8_fused)):
+                        ("q8_ops", q8_ops), ("q8_fused_write", q8_fused),
+                        ("q8_fused_write_direct", q8_direct)):
         times, builds = [], []
         for r in range(reps):
             outs = []
@@ -211,7 +217,7 @@ def op_probe(layers=36, n=256, reps=20):
     return out
 
 
-def fold_probe(layers=36, M=256, reps=20, bits=None):
+def fold_probe(layers=36, M=256, reps=20, bits=None, direct=False):
     """Build and dispatch ms (idle GPU) of one token's group fold over ``layers``
     layers (kernels/group_fold.py; ``bits``: K as triples), chained as in decode."""
     B, Hq, Hk, D, dt, offset = 1, 32, 8, 128, mx.bfloat16, 5000
@@ -230,8 +236,14 @@ def fold_probe(layers=36, M=256, reps=20, bits=None):
     for _ in range(reps):
         mx.synchronize()
         t0 = time.perf_counter()
-        res = group_fold(qs, keys, lay_i, lay_f, pos, score, count, slot,
-                         mode="accumulated", bits=bits)
+        if direct:  # the plan's launch without mx.compile
+            plan = group_plan(layers, B, Hq, Hk, D, dt, M, "accumulated", (), bits, 64)
+            ks = [k[j] for j in range(3) for k in keys] if bits else keys
+            out = plan._launch(*qs, *ks, lay_i, lay_f, pos, score, count, slot)
+            res = GroupFold(*out[:6], list(out[6:]))
+        else:
+            res = group_fold(qs, keys, lay_i, lay_f, pos, score, count, slot,
+                             mode="accumulated", bits=bits)
         t1 = time.perf_counter()
         mx.async_eval(res.positions, res.victims)
         t2 = time.perf_counter()
@@ -256,14 +268,18 @@ def main():
     p.add_argument("--strategies", nargs="*", default=None, help="default: all but qkv8")
     p.add_argument("--no-trace", action="store_true", help="skip the CUPTI kernel times")
     p.add_argument("--ops", action="store_true", help="also the per-op dispatch probe")
+    p.add_argument("--ops-only", action="store_true", help="the probes, no decode runs")
     args = p.parse_args()
-    if args.ops:
+    if args.ops or args.ops_only:
         print("op probe, dispatch (and build) ms per token (36 layers, idle GPU):",
               json.dumps({k: round(v, 3) for k, v in op_probe().items()}), flush=True)
         for bits in (None, 8):
-            print(f"fold probe, ms per token (36 layers, bits={bits}):",
-                  json.dumps({k: round(v, 3) for k, v in fold_probe(bits=bits).items()}),
-                  flush=True)
+            for direct in (False, True):
+                res = fold_probe(bits=bits, direct=direct)
+                print(f"fold probe, ms per token (36 layers, bits={bits}, direct={direct}):",
+                      json.dumps({k: round(v, 3) for k, v in res.items()}), flush=True)
+    if args.ops_only:
+        return
     model = random_model("qwen3-8b", bits=4, dtype=mx.bfloat16)
     print(f"mlx {mx.__version__} context={args.context} budget={args.budget} "
           f"steps={args.steps} rounds={args.rounds}", flush=True)
