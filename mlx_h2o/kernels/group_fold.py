@@ -60,7 +60,9 @@ def layer_params(offset: int, sink_size: int, recent_budget: int, valid: int, ca
 
 
 class GroupPlan:
-    """The group fold for fixed shapes and settings; calls replay through mx.compile."""
+    """The group fold for fixed shapes and settings. Launched directly: with
+    ~80 inputs and ~40 outputs, mx.compile's replay cost more host time than
+    the kernel call (`scripts/gpu_split.py --ops-only`, docs/GPU.md)."""
 
     def __init__(self, n, B, Hq, Hk, D, dtype, M, mode, pinned, bits=None, group_size=64):
         self.n, self.B, self.Hq, self.Hk, self.D, self.M = n, B, Hq, Hk, D, M
@@ -74,12 +76,11 @@ class GroupPlan:
         if quantized:
             self.template += [("BITS", bits), ("GS", group_size)]
         self.pins = _pins(pinned)
-        self._steady = mx.compile(self._launch)
 
     def __call__(self, queries, keys, lay_i, lay_f, positions, score, count, slot) -> GroupFold:
         if self.k_inputs != self.n:  # triples: all codes, then scales, then biases
             keys = [k[j] for j in range(3) for k in keys]
-        res = self._steady(*queries, *keys, lay_i, lay_f, positions, score, count, slot)
+        res = self._launch(*queries, *keys, lay_i, lay_f, positions, score, count, slot)
         return GroupFold(*res[:6], list(res[6:]))
 
     def _launch(self, *arrays):

@@ -49,9 +49,11 @@ KV_HEADER = r"""
 #endif
 """
 
-# One thread per (row, slot, group) of K (blk_y 0) or V (blk_y 1). The
-# victim slot's thread quantizes the new token's group as mlx's affine
-# quantize does (w_max starts at 0, as there); the others copy.
+# One thread per (row, slot, code word) of K (blk_y 0) or V (blk_y 1):
+# neighbouring threads touch neighbouring words and dense values (coalesced).
+# In the victim slot, the threads of a group each rescan the new token's
+# group for its range and quantize their own word as mlx's affine quantize
+# does (w_max starts at 0, as there); the others copy.
 QUANT_BODY = Template(r"""
 $IDS
   constexpr int WPR = D * BITS / 32;  // code words per row
@@ -62,30 +64,28 @@ $IDS
   const float NBINS = static_cast<float>((1 << BITS) - 1);
   const i64 cap = kw_shape[2];
   const i64 gid = (i64)blk_x * $NT + tid;
-  if (gid >= (i64)kw_shape[0] * kw_shape[1] * cap * SPR) return;
-  const int g = (int)(gid % SPR);
-  const i64 rs = gid / SPR;  // row * cap + slot
+  if (gid >= (i64)kw_shape[0] * kw_shape[1] * cap * WPR) return;
+  const int j = (int)(gid % WPR);  // word in the row
+  const int g = j / GW;  // its group
+  const i64 rs = gid / WPR;  // row * cap + slot
   const i64 r = rs / cap;
   const bool is_v = blk_y == 1;
-  auto w_in = is_v ? vw : kw;
-  auto s_in = is_v ? vs : ks;
-  auto b_in = is_v ? vb : kb;
   auto w_out = is_v ? vw_out : kw_out;
   auto s_out = is_v ? vs_out : ks_out;
   auto b_out = is_v ? vb_out : kb_out;
-  const i64 wo = rs * WPR + g * GW;
   const i64 so = rs * SPR + g;
+  const bool first = (j % GW) == 0;  // writes the group's scale and bias
   float sc, bi;
+  unsigned word = 0u;
   if ((rs % cap) == (i64)idx[r * IDXW]) {
     auto x_in = (is_v ? vn : kn) + r * D + g * GS;
-    float x[GS];
     float w_min = H2O_FLT_MAX;
     float w_max = 0.0f;
     H2O_UNROLL
     for (int i = 0; i < GS; ++i) {
-      x[i] = static_cast<float>(x_in[i]);
-      w_min = H2O_MIN(w_min, x[i]);
-      w_max = H2O_FMAX(w_max, x[i]);
+      const float x = static_cast<float>(x_in[i]);
+      w_min = H2O_MIN(w_min, x);
+      w_max = H2O_FMAX(w_max, x);
     }
     float scale = H2O_FMAX(H2O_DIV(w_max - w_min, NBINS), 1e-7f);
     const bool side = H2O_FABS(w_min) > H2O_FABS(w_max);
@@ -95,45 +95,43 @@ $IDS
     const bool at_zero = q0 == 0.0f;
     scale = at_zero ? scale : H2O_DIV(edge, q0);
     const float bias = at_zero ? 0.0f : edge;
-    s_out[so] = static_cast<T>(scale);
-    b_out[so] = static_cast<T>(bias);
+    const int i0 = (j % GW) * PW;  // this word's first value in the group
     H2O_UNROLL
-    for (int j = 0; j < GW; ++j) {
-      unsigned word = 0u;
-      H2O_UNROLL
-      for (int e = 0; e < PW; ++e) {
-        const float c = H2O_ROUND(H2O_DIV(x[j * PW + e] - bias, scale));
-        word |= ((unsigned)H2O_FMAX(0.0f, H2O_MIN(c, NBINS))) << (e * BITS);
-      }
-      w_out[wo + j] = word;
+    for (int e = 0; e < PW; ++e) {
+      const float c = H2O_ROUND(H2O_DIV(static_cast<float>(x_in[i0 + e]) - bias, scale));
+      word |= ((unsigned)H2O_FMAX(0.0f, H2O_MIN(c, NBINS))) << (e * BITS);
     }
-    sc = static_cast<float>(static_cast<T>(scale));
-    bi = static_cast<float>(static_cast<T>(bias));
+    const T s_ = static_cast<T>(scale);
+    const T b_ = static_cast<T>(bias);
+    if (first) {
+      s_out[so] = s_;
+      b_out[so] = b_;
+    }
+    sc = static_cast<float>(s_);
+    bi = static_cast<float>(b_);
   } else {
-    const T s_ = s_in[so];
-    const T b_ = b_in[so];
-    s_out[so] = s_;
-    b_out[so] = b_;
-    H2O_UNROLL
-    for (int j = 0; j < GW; ++j) w_out[wo + j] = w_in[wo + j];
+    const T s_ = (is_v ? vs : ks)[so];
+    const T b_ = (is_v ? vb : kb)[so];
+    if (first) {
+      s_out[so] = s_;
+      b_out[so] = b_;
+    }
+    word = (is_v ? vw : kw)[rs * WPR + j];
     sc = static_cast<float>(s_);
     bi = static_cast<float>(b_);
   }
+  w_out[rs * WPR + j] = word;
 $DENSE
 """)
 
-# The slots' values as mx.dequantize gives them (scale * code + bias, one
+# This word's values as mx.dequantize gives them (scale * code + bias, one
 # rounding to T), for MLX's SDPA.
 DENSE_OUT = r"""
-  auto d_out = (is_v ? vd : kd) + rs * D + g * GS;
+  auto d_out = (is_v ? vd : kd) + rs * D + j * PW;
   H2O_UNROLL
-  for (int j = 0; j < GW; ++j) {
-    const unsigned word = w_out[wo + j];
-    H2O_UNROLL
-    for (int e = 0; e < PW; ++e) {
-      const float c = static_cast<float>((word >> (e * BITS)) & MASKB);
-      d_out[j * PW + e] = static_cast<T>(sc * c + bi);
-    }
+  for (int e = 0; e < PW; ++e) {
+    const float c = static_cast<float>((word >> (e * BITS)) & MASKB);
+    d_out[e] = static_cast<T>(sc * c + bi);
   }
 """
 
@@ -214,7 +212,7 @@ class WritePlan:
     """The write for fixed settings; calls replay through mx.compile (host time)."""
 
     def __init__(self, dtype, D, bits=None, group_size=64, dense_out=True):
-        self.quantized, self.dense_out = bits is not None, dense_out
+        self.quantized, self.dense_out, self.bits = bits is not None, dense_out, bits
         self.kernel = _make_write_kernel(self.quantized, dense_out)
         self.dtype, self.D = dtype, D
         self.template = [("T", dtype), ("D", D)]
@@ -228,7 +226,7 @@ class WritePlan:
     def _launch(self, kn, vn, idx, *stored, poison=None):
         """One launch (``poison``, tests: what an unwritten output element reads)."""
         B, Hk, cap = stored[0].shape[:3]
-        per_row = self.D // (self.template[-1][1] if self.quantized else CHUNK)
+        per_row = self.D * self.bits // 32 if self.quantized else self.D // CHUNK  # threads
         threads = -(-B * Hk * cap * per_row // NT) * NT
         template = self.template + [("IDXW", idx.shape[-1])]
         if self.quantized:
