@@ -179,8 +179,8 @@ def test_fused_write_matches_scatters_on_gpu(quant):
             c.kv.fused_write = fused
     a = run(sets[0], 5, [5] + [1] * 70, d=64)
     b = run(sets[1], 5, [5] + [1] * 70, d=64)
-    assert all(c.kv._write_plan is not None for c in sets[1])  # the kernel wrote
-    assert all(c.kv._write_plan is None for c in sets[0])
+    assert all(c.kv._writes.plan is not None for c in sets[1])  # the kernel wrote
+    assert all(c.kv._writes.plan is None for c in sets[0])
     for step_a, step_b in zip(a, b):
         for x, y in zip(step_a, step_b):
             np.testing.assert_allclose(x, y, rtol=1e-2, atol=1e-2)

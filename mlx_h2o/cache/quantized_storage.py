@@ -14,10 +14,9 @@ biases kept, so it represents the same values it was written with.
 
 import mlx.core as mx
 
-from ..kernels.kv_write import write_plan, write_supported
 from ..kernels.quantized import quantized_attention
 from ..kernels.quantized_reference import dequantize
-from .storage import resize_slots, take_slots
+from .storage import WritePlans, resize_slots, take_slots
 
 Triple = tuple[mx.array, mx.array, mx.array]
 
@@ -71,7 +70,7 @@ class QuantizedKV:
         self.keys: Triple | None = None
         self.values: Triple | None = None
         self.group_kind = ("quantized", bits, group_size)  # cache/group.py
-        self._write_sig = self._write_plan = None
+        self._writes = WritePlans()
         self._dense = None  # (triples written, dense K, dense V) for the next sdpa
 
     @property
@@ -111,25 +110,15 @@ class QuantizedKV:
         used as is by all six scatters (no per-array index reshapes: decode is
         host-bound, every graph node counts). ``for_sdpa``: ``sdpa`` attends
         next (a group step), so the fused write also gives the dense K/V."""
-        plan = self._fused_write_plan(keys, values, index, for_sdpa)
+        plan = None
+        if self.fused_write:
+            plan = self._writes.get(keys, values, index, self.bits, self.group_size, for_sdpa)
         if plan is None:
             self._put_index(index, self.quantize(keys), self.quantize(values))
             return
         res = plan(keys, values, index, *self.keys, *self.values)
         self.keys, self.values = tuple(res[:3]), tuple(res[3:6])
         self._dense = (self.keys, res[6], res[7]) if for_sdpa else None
-
-    def _fused_write_plan(self, keys, values, index, for_sdpa):
-        """kv_write's plan for these shapes, or None; decided once per signature."""
-        sig = (keys.shape, keys.dtype, values.shape, index.shape, index.dtype,
-               mx.default_device(), for_sdpa, self.fused_write)
-        if sig != self._write_sig:
-            ok = self.fused_write and write_supported(keys, values, index, self.bits,
-                                                      self.group_size)
-            self._write_plan = write_plan(keys.dtype, keys.shape[3], self.bits,
-                                          self.group_size, for_sdpa) if ok else None
-            self._write_sig = sig
-        return self._write_plan
 
     def put(self, slot: mx.array, keys: Triple, values: Triple):
         """Write already-quantized (B, Hk, 1, ·) triples into slot (B, Hk, 1)."""

@@ -25,6 +25,24 @@ def take_slots(a, slots, n: int):
     return mx.take_along_axis(a[:, :, :n], idx, axis=2)
 
 
+class WritePlans:
+    """The kv_write plan for a storage's decode writes, or None where the kernel
+    does not run; decided once per signature (decode is host bound)."""
+
+    def __init__(self):
+        self.sig = self.plan = None
+
+    def get(self, keys, values, index, bits=None, group_size=64, dense_out=True):
+        sig = (keys.shape, keys.dtype, values.shape, index.shape, index.dtype,
+               mx.default_device(), dense_out)
+        if sig != self.sig:
+            ok = write_supported(keys, values, index, bits, group_size)
+            self.plan = (write_plan(keys.dtype, keys.shape[3], bits, group_size, dense_out)
+                         if ok else None)
+            self.sig = sig
+        return self.plan
+
+
 def put_slot(a, slot, value):
     """Write value (B, Hk, 1[, D]) into slot (B, Hk, 1) along axis 2."""
     idx = slot if a.ndim == 3 else slot[..., None]
@@ -51,7 +69,7 @@ class DenseKV:
 
     def __init__(self):
         self.keys = self.values = None
-        self._write_sig = self._write_plan = None
+        self._writes = WritePlans()
 
     @property
     def capacity(self) -> int:
@@ -76,17 +94,10 @@ class DenseKV:
     def write_index(self, index: mx.array, keys: mx.array, values: mx.array,
                     for_sdpa: bool = False):
         """Write one token per row at ``index`` (B, Hk, 1, D), already broadcast."""
-        if self.fused_write:  # off by default: no signature check per step
-            sig = (keys.shape, keys.dtype, values.shape, index.shape, index.dtype,
-                   mx.default_device())
-            if sig != self._write_sig:
-                ok = write_supported(keys, values, index)
-                self._write_plan = write_plan(keys.dtype, keys.shape[3]) if ok else None
-                self._write_sig = sig
-            if self._write_plan is not None:
-                self.keys, self.values = self._write_plan(keys, values, index, self.keys,
-                                                          self.values)
-                return
+        plan = self._writes.get(keys, values, index) if self.fused_write else None
+        if plan is not None:  # fused_write is off by default: no signature check
+            self.keys, self.values = plan(keys, values, index, self.keys, self.values)
+            return
         self.keys = mx.put_along_axis(self.keys, index, keys, axis=2)
         self.values = mx.put_along_axis(self.values, index, values, axis=2)
 

@@ -13,15 +13,14 @@ from typing import List, NamedTuple, Optional, Sequence
 import mlx.core as mx
 
 from .build import SCORE_MODES, _make_group_kernel, gpu_backend
-from .decode import NT
+from .decode import DTYPES, NT
 from .h2o_step import _pins, params_row
+from .quantized_reference import BITS
 
 # Metal binds at most 31 buffers per kernel, shape and stride arrays
 # included: 19 + 3 per layer (dense), 19 + 5 (quantized K).
 MAX_LAYERS = {"cuda": 64, "metal": 4}
 MAX_LAYERS_QUANTIZED = {"cuda": 64, "metal": 2}
-DTYPES = (mx.float16, mx.bfloat16, mx.float32)
-BITS = (2, 4, 8)
 
 
 class GroupFold(NamedTuple):

@@ -30,11 +30,10 @@ from typing import NamedTuple, Optional
 import mlx.core as mx
 
 from .build import _digest, _prelude, gpu_backend
+from .decode import DTYPES
+from .quantized_reference import BITS, GROUP_SIZES
 
 NT = 256
-DTYPES = (mx.float16, mx.bfloat16, mx.float32)
-BITS = (2, 4, 8)
-GROUP_SIZES = (32, 64, 128)
 CHUNK = 8  # dense copy: elements per thread
 
 KV_HEADER = r"""
