@@ -43,6 +43,7 @@ from mlx_h2o.eval.bench import random_model  # noqa: E402
 from mlx_h2o.kernels.group_fold import GroupFold, group_fold, group_plan  # noqa: E402
 from mlx_h2o.kernels.group_fold import layer_params  # noqa: E402
 from mlx_h2o.kernels.kv_write import write_plan  # noqa: E402
+from mlx_h2o.kernels.packed import pack  # noqa: E402
 
 
 def kernel_sdpa(kv, queries, keys, values, *, scale):
@@ -171,6 +172,9 @@ def op_probe(layers=36, n=256, reps=20):
     mx.eval(idx_d, idx_q, qkv)
 
     dense_plan, q8_plan = write_plan(dt, D), write_plan(dt, D, 8, 64, True)
+    packed_plan = write_plan(dt, D, 8, 64, True, True)
+    packed = [pack(*pair) for pair in qkv]
+    mx.eval(packed)
 
     def kernel_write(pair, i):  # what DenseKV.write_index calls
         return list(dense_plan(new, new, idx_d, *pair))
@@ -188,17 +192,25 @@ def op_probe(layers=36, n=256, reps=20):
         res = q8_plan._launch(new, new, idx_q, *pair[0], *pair[1])
         return [tuple(res[:3]), tuple(res[3:6])], res[6:]
 
+    def q8_packed(buf, i):  # what QuantizedKV.write_index calls in a group step
+        buf, kd, vd = packed_plan(new, new, idx_q, buf)
+        return buf, (kd, vd)
+
     out = {}
     for name, write in (("slice_update", slice_update), ("put_along_axis", scatter),
                         ("kv_write_kernel", kernel_write), ("sdpa_only", None),
                         ("q8_ops", q8_ops), ("q8_fused_write", q8_fused),
-                        ("q8_fused_write_direct", q8_direct)):
+                        ("q8_fused_write_direct", q8_direct), ("q8_packed_write", q8_packed)):
         times, builds = [], []
         for r in range(reps):
             outs = []
             mx.synchronize()
             tb = time.perf_counter()
             for j, pair in enumerate(kv):
+                if name == "q8_packed_write":
+                    packed[j], dense = write(packed[j], r)
+                    outs.append(mx.fast.scaled_dot_product_attention(q, *dense, scale=0.08))
+                    continue
                 if name.startswith("q8"):
                     qkv[j], dense = write(qkv[j], r)
                     outs.append(mx.fast.scaled_dot_product_attention(q, *dense, scale=0.08))
@@ -209,7 +221,7 @@ def op_probe(layers=36, n=256, reps=20):
                     pair[:] = [write(a, r) for a in pair]
                 outs.append(mx.fast.scaled_dot_product_attention(q, *pair, scale=0.08))
             t0 = time.perf_counter()
-            mx.async_eval(outs, kv, qkv)
+            mx.async_eval(outs, kv, qkv, packed)
             times.append(time.perf_counter() - t0)
             builds.append(t0 - tb)
             mx.synchronize()
@@ -220,12 +232,12 @@ def op_probe(layers=36, n=256, reps=20):
 
 def fold_probe(layers=36, M=256, reps=20, bits=None, direct=False):
     """Build and dispatch ms (idle GPU) of one token's group fold over ``layers``
-    layers (kernels/group_fold.py; ``bits``: K as triples), chained as in decode."""
+    layers (kernels/group_fold.py; ``bits``: packed K/V), chained as in decode."""
     B, Hq, Hk, D, dt, offset = 1, 32, 8, 128, mx.bfloat16, 5000
     qs = [mx.random.normal((B, Hq, 1, D)).astype(dt) for _ in range(layers)]
     keys = [mx.random.normal((B, Hk, M, D)).astype(dt) for _ in range(layers)]
     if bits is not None:
-        keys = [mx.quantize(k, group_size=64, bits=bits) for k in keys]
+        keys = [pack(*[mx.quantize(k, group_size=64, bits=bits)] * 2) for k in keys]
     pos = mx.broadcast_to(mx.arange(offset - 1 - M, offset - 1, dtype=mx.int32),
                           (layers * B, Hk, M)) + 0
     score, count = mx.random.uniform(shape=pos.shape), mx.ones(pos.shape)
@@ -239,8 +251,7 @@ def fold_probe(layers=36, M=256, reps=20, bits=None, direct=False):
         t0 = time.perf_counter()
         if direct:  # the plan's launch without mx.compile
             plan = group_plan(layers, B, Hq, Hk, D, dt, M, "accumulated", (), bits, 64)
-            ks = [k[j] for j in range(3) for k in keys] if bits else keys
-            out = plan._launch(*qs, *ks, lay_i, lay_f, pos, score, count, slot)
+            out = plan._launch(*qs, *keys, lay_i, lay_f, pos, score, count, slot)
             res = GroupFold(*out[:6], list(out[6:]))
         else:
             res = group_fold(qs, keys, lay_i, lay_f, pos, score, count, slot,

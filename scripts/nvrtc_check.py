@@ -164,9 +164,11 @@ def build_kernels(D: int, G: int, HK: int, L: int) -> List[Kernel]:
                 raise SystemExit(f"{label}: no build.{kind}_names() to give its inputs")
             inputs, outputs = names(*kw.values())
             types = {"mask": "bool"} if kw.get("mask") == "bool" else {}
-            if kind == "group":  # per-layer victims v0, v1, ...; quantized codes kw0, ...
+            if kind == "group":  # per-layer victims v0, v1, ...; packed K/V k0, ...
                 types.update({n: "int32_t" for n in outputs if n[1:].isdigit()})
-                types.update({n: "uint32_t" for n in inputs if n.startswith("kw")})
+                if kw.get("quantized"):
+                    types.update({n: "uint32_t" for n in inputs
+                                  if n.startswith("k") and n[1:].isdigit()})
             if kind not in KNOWN_KINDS:
                 label += " (constants guessed)"
             template = partial(constants, kind, kw, D=D, G=G, HK=HK, L=L)
@@ -197,19 +199,23 @@ def quantized_kernels(D: int, G: int) -> List[Kernel]:
 
 
 def write_kernels(D: int) -> List[Kernel]:
-    """kv_write's kernels: dense, and triples (4/8-bit, GS 64) with and
-    without dense outputs (IDXW 1: the quantized index; D for dense)."""
+    """kv_write's kernels: dense, triples (4/8-bit, GS 64) with and without
+    dense outputs, packed K/V with them (IDXW 1: the quantized index; D for
+    dense)."""
     out = []
-    for quantized, dense_out in ((False, True), (True, True), (True, False)):
-        inputs, outputs = kv_write.names(quantized, dense_out)
-        src = kv_write.source("cuda", quantized, dense_out)
+    for quantized, dense_out, packed in ((False, True, False), (True, True, False),
+                                         (True, False, False), (True, True, True)):
+        inputs, outputs = kv_write.names(quantized, dense_out, packed)
+        src = kv_write.source("cuda", quantized, dense_out, packed)
         types = {"idx": "int32_t"}
-        types.update({n: "uint32_t" for n in inputs + outputs if n.startswith(("kw", "vw"))})
+        types.update({n: "uint32_t" for n in inputs + outputs
+                      if n.startswith(("kw", "vw", "kv"))})
         for bits in ((4, 8) if quantized else (None,)):
             def tmpl(dt, bits=bits):
                 t = [("T", dt), ("D", D)]
                 return t + ([("BITS", bits), ("GS", 64), ("IDXW", 1)] if bits else [("IDXW", D)])
-            label = f"kvwrite quantized={quantized} dense_out={dense_out} bits={bits}"
+            label = (f"kvwrite quantized={quantized} dense_out={dense_out} packed={packed} "
+                     f"bits={bits}")
             out.append(Kernel(label, *src, inputs, outputs, tmpl, types))
     return out
 

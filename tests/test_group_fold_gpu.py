@@ -15,6 +15,7 @@ from mlx_h2o import H2OConfig
 from mlx_h2o.cache.group import fold_layer
 from mlx_h2o.config import with_max_size
 from mlx_h2o.kernels import build, source
+from mlx_h2o.kernels.packed import pack
 from mlx_h2o.kernels.quantized_reference import dequantize
 from mlx_h2o.kernels.group_fold import group_fold, group_fold_supported, layer_params
 
@@ -31,7 +32,7 @@ def test_group_source_shares_the_body(n, quantized):
     assert cuda.replace(source.CUDA_IDS, "") == metal.replace(source.METAL_IDS, "")
     assert all(f"case {i}: v{i}[" in cuda for i in range(n))
     inputs, outputs = build.group_names(n, quantized)
-    ks = [f"{p}{i}" for p in (("kw", "ks", "kb") if quantized else ("k",)) for i in range(n)]
+    ks = [f"k{i}" for i in range(n)]  # dense K or packed K/V: one input per layer
     assert inputs[:n] == [f"q{i}" for i in range(n)] and inputs[n:n + len(ks)] == ks
     assert all(k in cuda for k in ks) and outputs[-1] == f"v{n - 1}"
 
@@ -93,10 +94,10 @@ def test_group_fold_matches_reference(mode, dtype, D, Hq, Hk):
 
 @needs_gpu
 @pytest.mark.parametrize("bits,gs", [(8, 64), (4, 32), (4, 128), (2, 64)])
-@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_group_fold_quantized_matches_reference(bits, gs, dtype):
-    """K as quantized triples: the kernel dequantizes in registers; the
-    reference folds the mx.dequantize'd keys."""
+    """K in packed K/V buffers (kernels/packed.py): the kernel dequantizes
+    in registers; the reference folds the mx.dequantize'd keys."""
     rng = np.random.default_rng(bits * 1000 + gs)
     B, D, Hq, Hk, offset, sizes = 1, 128, 32, 8, 2000, (256, 97)
     base = H2OConfig(max_size=256, sink_size=4, heavy_budget=128)
@@ -104,10 +105,12 @@ def test_group_fold_quantized_matches_reference(bits, gs, dtype):
     M = max(sizes)
     qs = [mx.array(rng.standard_normal((B, Hq, 1, D)).astype(np.float32)).astype(dtype)
           for _ in sizes]
-    triples, state = [], []
+    triples, packed, state = [], [], []
     for n in sizes:
-        k = mx.array(rng.standard_normal((B, Hk, n, D)).astype(np.float32)).astype(dtype)
+        k, v = (mx.array(rng.standard_normal((B, Hk, n, D)).astype(np.float32)).astype(dtype)
+                for _ in range(2))
         triples.append(mx.quantize(k, group_size=gs, bits=bits))
+        packed.append(pack(triples[-1], mx.quantize(v, group_size=gs, bits=bits)))
         state.append(layer_state(rng, B, Hk, n, n, M, offset))
     pos, score, count, slot = (mx.array(np.concatenate(x, axis=0)) for x in zip(*state))
     lay_i = mx.array([layer_params(offset, c.sink_size, c.recent_budget, n, n)
@@ -115,7 +118,7 @@ def test_group_fold_quantized_matches_reference(bits, gs, dtype):
     lay_f = mx.array([[D ** -0.5, c.ema_alpha, 1.0 - c.ema_alpha, 0.0] for c in cfgs],
                      mx.float32)
     assert group_fold_supported(dtype, D, Hq, Hk, bits, gs)
-    res = group_fold(qs, triples, lay_i, lay_f, pos, score, count, slot, mode="accumulated",
+    res = group_fold(qs, packed, lay_i, lay_f, pos, score, count, slot, mode="accumulated",
                      bits=bits, group_size=gs)
     mx.eval(res)
     for i, (c, n, t) in enumerate(zip(cfgs, sizes, triples)):

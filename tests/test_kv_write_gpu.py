@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from mlx_h2o.kernels import build, kv_write, source
+from mlx_h2o.kernels.packed import pack, unpack
 
 needs_gpu = pytest.mark.skipif(build.gpu_backend() is None,
                                reason="needs MLX with Metal or CUDA")
@@ -20,15 +21,18 @@ POISON = 12345.0  # what an unwritten element reads (uint32 codes too)
 MANTISSA = {mx.float16: 10, mx.bfloat16: 7, mx.float32: 23}
 
 
-@pytest.mark.parametrize("quantized,dense_out", [(False, True), (True, True), (True, False)])
-def test_write_source_shares_the_body(quantized, dense_out):
-    _, cuda = kv_write.source("cuda", quantized, dense_out)
-    _, metal = kv_write.source("metal", quantized, dense_out)
+@pytest.mark.parametrize("quantized,dense_out,packed", [
+    (False, True, False), (True, True, False), (True, False, False), (True, True, True)])
+def test_write_source_shares_the_body(quantized, dense_out, packed):
+    _, cuda = kv_write.source("cuda", quantized, dense_out, packed)
+    _, metal = kv_write.source("metal", quantized, dense_out, packed)
     assert "$" not in cuda and cuda.count("{") == cuda.count("}")
     assert cuda.replace(source.CUDA_IDS, "") == metal.replace(source.METAL_IDS, "")
-    inputs, outputs = kv_write.names(quantized, dense_out)
+    inputs, outputs = kv_write.names(quantized, dense_out, packed)
     assert all(n in cuda for n in inputs + outputs)
     assert ("kd" in outputs) == (quantized and dense_out)
+    if packed:  # one stored input and output instead of six
+        assert inputs[3:] == ["kv"] and outputs == ["kv_out", "kd", "vd"]
 
 
 def test_write_not_supported_without_gpu_device():
@@ -149,3 +153,37 @@ def test_quantized_write_handles_sliced_inputs():
     q = mx.quantize(kn, group_size=gs, bits=bits)
     for g, a, x in zip(res.keys, ks, q):
         np.testing.assert_array_equal(_np(g), _np(mx.put_along_axis(a, idx, x, axis=2)))
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype,D,bits,gs", QUANT_CASES)
+def test_packed_write_matches_mx_quantize(dtype, D, bits, gs):
+    """The packed buffer after the write is pack() of the triples that
+    mx.quantize + put_along_axis give; the dense outputs are its values."""
+    rng = np.random.default_rng(hash((str(dtype), D, bits, gs, "packed")) % 2**32)
+    for B, Hk, cap in ((1, 8, 257), (2, 1, 1), (2, 3, 97)):
+        kn, vn = _rand(rng, (B, Hk, 1, D), dtype), _rand(rng, (B, Hk, 1, D), dtype, 0.3)
+        idx = _victims(rng, B, Hk, cap, 1)
+        ks, vs = (_stored(rng, B, Hk, cap, D, dtype, bits, gs) for _ in range(2))
+        plan = kv_write.write_plan(dtype, D, bits, gs, True, True)
+        got, kd, vd = _launch(plan, kn, vn, idx, pack(ks, vs))
+        want = [tuple(mx.put_along_axis(a, idx, x, axis=2)
+                      for a, x in zip(stored, mx.quantize(new, group_size=gs, bits=bits)))
+                for new, stored in ((kn, ks), (vn, vs))]
+        assert got.dtype == mx.uint32
+        np.testing.assert_array_equal(np.array(got), np.array(pack(*want)))
+        for t, d in zip(unpack(got, D, bits, gs, dtype), (kd, vd)):
+            assert d.shape == (B, Hk, cap, D) and d.dtype == dtype
+            _assert_one_rounding(d, _dense_ref64(t, bits, gs), dtype)
+        again = kv_write.packed_write(kn, vn, idx, pack(ks, vs), bits=bits, group_size=gs)
+        for g, a in zip((got, kd, vd), again):
+            np.testing.assert_array_equal(_np(g), _np(a))
+
+
+@needs_gpu
+def test_packed_write_rejects_a_triple_sized_buffer():
+    rng = np.random.default_rng(3)
+    kn = _rand(rng, (1, 2, 1, 64), mx.float16)
+    ks = _stored(rng, 1, 2, 5, 64, mx.float16, 8, 64)
+    with pytest.raises(ValueError, match="not a packed buffer"):
+        kv_write.packed_write(kn, kn, _victims(rng, 1, 2, 5, 1), ks[0], bits=8, group_size=64)

@@ -154,7 +154,7 @@ class StepGroup:
         if self.use_kernel and not ok:
             raise ValueError("StepGroup(use_kernel=True): the group fold kernel does not "
                              f"run here for {queries.dtype} queries {queries.shape}")
-        return ok and len(self.members) <= max_layers(kind[0] == "quantized")
+        return ok and len(self.members) <= max_layers()
 
     def _fold_kernel(self, caches, queries, offsets):
         bits, group_size = _quant(caches[0].kv.group_kind)
@@ -168,7 +168,7 @@ class StepGroup:
             self._lay_i[:, 0] = offsets
             lay_i = mx.array(self._lay_i)
         cfg = caches[0].config
-        res = group_fold(queries, [c.kv.keys for c in caches], lay_i, self._lay_f,
+        res = group_fold(queries, [c.kv.group_keys for c in caches], lay_i, self._lay_f,
                          *self._meta, self._slot, mode=cfg.score, pinned=cfg.pinned,
                          bits=bits, group_size=group_size)
         self._lay_next = (res.lay_i, [o + 1 for o in offsets])
@@ -224,7 +224,7 @@ def make_groups(caches, size: Optional[int] = None, use_kernel=None) -> List[Ste
             by_key.setdefault(key, []).append(c)
     groups = []
     for (_, _, kind), same in by_key.items():
-        n = max_layers(kind[0] == "quantized") if size is None else size
+        n = max_layers() if size is None else size
         for i in range(0, len(same) if n > 0 else 0, max(n, 1)):
             g = StepGroup(use_kernel)
             for c in same[i:i + n]:

@@ -14,6 +14,7 @@ biases kept, so it represents the same values it was written with.
 
 import mlx.core as mx
 
+from ..kernels.packed import pack, unpack
 from ..kernels.quantized import quantized_attention
 from ..kernels.quantized_reference import dequantize
 from .storage import WritePlans, resize_slots, take_slots
@@ -58,7 +59,14 @@ def _select(cond: mx.array, a: Triple, b: Triple) -> Triple:
 
 
 class QuantizedKV:
-    """Keys and values as (B, n_kv_heads, slots, ·) affine-quantized triples."""
+    """Keys and values as (B, n_kv_heads, slots, ·) affine-quantized triples.
+
+    While a StepGroup runs its steps, K and V live in one packed buffer
+    (kernels/packed.py): the write kernel then has one stored input and output
+    instead of six (each output costs ~3 us of host time per launch). Any
+    other use of ``keys`` / ``values`` unpacks them once; ``group_keys``
+    packs them once.
+    """
 
     # On a GPU, a decode token goes into its victim slot in one launch that
     # also hands the group step's SDPA the dequantized K/V (kernels/kv_write.py);
@@ -67,15 +75,59 @@ class QuantizedKV:
 
     def __init__(self, bits: int = 8, group_size: int = 64):
         self.bits, self.group_size = bits, group_size
-        self.keys: Triple | None = None
-        self.values: Triple | None = None
+        self._keys: Triple | None = None
+        self._values: Triple | None = None
+        self._packed: mx.array | None = None  # K and V packed, instead of the triples
+        self._layout = None  # (head_dim, scales' dtype) of the packed buffer, to unpack
         self.group_kind = ("quantized", bits, group_size)  # cache/group.py
         self._writes = WritePlans()
-        self._dense = None  # (triples written, dense K, dense V) for the next sdpa
+        # (packed buffer, dense K, dense V) of the last packed write, for the
+        # SDPA that follows; stale once the buffer is not the stored one.
+        self._dense = None
+
+    @property
+    def keys(self) -> Triple | None:
+        self._unpack()
+        return self._keys
+
+    @keys.setter
+    def keys(self, t: Triple | None):
+        self._unpack()
+        self._keys = t
+
+    @property
+    def values(self) -> Triple | None:
+        self._unpack()
+        return self._values
+
+    @values.setter
+    def values(self, t: Triple | None):
+        self._unpack()
+        self._values = t
+
+    @property
+    def group_keys(self) -> mx.array:
+        """What the group fold reads: K and V packed (kernels/packed.py)."""
+        if self._packed is None:
+            self._layout = (self._keys[0].shape[-1] * 32 // self.bits, self._keys[1].dtype)
+            self._packed = pack(self._keys, self._values)
+            self._keys = self._values = None
+        return self._packed
+
+    def _unpack(self):
+        if self._packed is None:
+            return
+        D, dtype = self._layout
+        keys, values = unpack(self._packed, D, self.bits, self.group_size, dtype)
+        # Contiguous copies: the triples' readers (scatters, kernels) then use them as is.
+        self._keys, self._values = (tuple(mx.contiguous(a) for a in t) for t in (keys, values))
+        self._packed = None
 
     @property
     def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys[0].shape[2]
+        if self._packed is not None:
+            return self._packed.shape[2]
+        return 0 if self._keys is None else self._keys[0].shape[2]
 
     def quantize(self, x: mx.array) -> Triple:
         return mx.quantize(x, group_size=self.group_size, bits=self.bits)
@@ -107,18 +159,34 @@ class QuantizedKV:
     def write_index(self, index: mx.array, keys: mx.array, values: mx.array,
                     for_sdpa: bool = False):
         """Write one token per row at ``index`` (B, Hk, 1, 1): a fold step's victim,
-        used as is by all six scatters (no per-array index reshapes: decode is
+        used as is by every scatter (no per-array index reshapes: decode is
         host-bound, every graph node counts). ``for_sdpa``: ``sdpa`` attends
-        next (a group step), so the fused write also gives the dense K/V."""
+        next (a group step): on a GPU the write kernel keeps K/V packed for the
+        group fold and also gives the dense K/V."""
         plan = None
         if self.fused_write:
-            plan = self._writes.get(keys, values, index, self.bits, self.group_size, for_sdpa)
-        if plan is None:
+            plan = self._writes.get(keys, values, index, self.bits, self.group_size,
+                                    dense_out=for_sdpa, packed=for_sdpa)
+        if plan is not None and for_sdpa:
+            self._packed, kd, vd = plan(keys, values, index, self.group_keys)
+            self._dense = (self._packed, kd, vd)
+        elif plan is not None:
+            res = plan(keys, values, index, *self.keys, *self.values)
+            self.keys, self.values = tuple(res[:3]), tuple(res[3:6])
+        elif for_sdpa and self._packed is not None:
+            self._write_packed_ops(index, keys, values)
+        else:
             self._put_index(index, self.quantize(keys), self.quantize(values))
-            return
-        res = plan(keys, values, index, *self.keys, *self.values)
-        self.keys, self.values = tuple(res[:3]), tuple(res[3:6])
-        self._dense = (self.keys, res[6], res[7]) if for_sdpa else None
+
+    def _write_packed_ops(self, index, keys, values):
+        """The write kernel's work by ops (``fused_write = False`` while the group
+        fold kernel keeps K/V packed): quantize, one scatter, dequantize."""
+        token = pack(self.quantize(keys), self.quantize(values))
+        self._packed = mx.put_along_axis(self._packed, index, token, axis=2)
+        D, dtype = self._layout
+        kd, vd = (mx.dequantize(*t, group_size=self.group_size, bits=self.bits)
+                  for t in unpack(self._packed, D, self.bits, self.group_size, dtype))
+        self._dense = (self._packed, kd, vd)
 
     def put(self, slot: mx.array, keys: Triple, values: Triple):
         """Write already-quantized (B, Hk, 1, ·) triples into slot (B, Hk, 1)."""
@@ -142,13 +210,32 @@ class QuantizedKV:
         self.keys, self.values = self.take(slots, n)
 
     def fetch(self, n: int):
+        """The triples of the first n slots; after a packed write, its dense K/V
+        (what the group step's SDPA reads; ``attention`` / ``sdpa`` fall back
+        to the triples when handed them otherwise)."""
+        dense = self._dense
+        if dense is not None and dense[0] is self._packed:
+            if n != dense[1].shape[2]:
+                self._dense = dense = (dense[0], *(a[..., :n, :] for a in dense[1:]))
+            return dense[1:]
+        return self._triples(n)
+
+    def _triples(self, n: int):
         if n == self.capacity:
             return self.keys, self.values  # full: six slice nodes less per step
         return tuple(a[..., :n, :] for a in self.keys), tuple(
             a[..., :n, :] for a in self.values
         )
 
+    def _as_triples(self, keys, values):
+        """``fetch``'s result as triples (a packed write's dense K/V: the stored ones)."""
+        if isinstance(keys, tuple):
+            return keys, values
+        self._dense = None
+        return self._triples(keys.shape[2])
+
     def attention(self, queries, keys, values, *, scale, mask, sinks):
+        keys, values = self._as_triples(keys, values)
         return quantized_attention(
             queries,
             keys,
@@ -170,8 +257,10 @@ class QuantizedKV:
         query later."""
         gs, bits = self.group_size, self.bits
         dense, self._dense = self._dense, None
-        if dense is not None and dense[0] is keys:  # the fused write's K/V
+        if dense is not None and dense[0] is self._packed and dense[1] is keys:
+            # the packed write's K/V
             return mx.fast.scaled_dot_product_attention(queries, *dense[1:], scale=scale)
+        keys, values = self._as_triples(keys, values)
         if mx.default_device() == mx.gpu:
             k, v = (mx.dequantize(*t, group_size=gs, bits=bits) for t in (keys, values))
             return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
@@ -191,16 +280,19 @@ class QuantizedKV:
 
     @property
     def nbytes(self) -> int:
-        if self.keys is None:
+        if self._packed is not None:
+            return self._packed.nbytes
+        if self._keys is None:
             return 0
-        return sum(a.nbytes for a in (*self.keys, *self.values))
+        return sum(a.nbytes for a in (*self._keys, *self._values))
 
     def state(self, n: int) -> list[mx.array]:
-        keys, values = self.fetch(n)
+        keys, values = self._triples(n)
         return [*keys, *values]
 
     def set_state(self, arrays):
         arrays = list(arrays)
+        self._packed = self._dense = None
         self.keys, self.values = tuple(arrays[:3]), tuple(arrays[3:6])
 
 

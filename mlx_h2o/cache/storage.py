@@ -32,13 +32,14 @@ class WritePlans:
     def __init__(self):
         self.sig = self.plan = None
 
-    def get(self, keys, values, index, bits=None, group_size=64, dense_out=True):
+    def get(self, keys, values, index, bits=None, group_size=64, dense_out=True,
+            packed=False):
         sig = (keys.shape, keys.dtype, values.shape, index.shape, index.dtype,
-               mx.default_device(), dense_out)
+               mx.default_device(), dense_out, packed)
         if sig != self.sig:
             ok = write_supported(keys, values, index, bits, group_size)
-            self.plan = (write_plan(keys.dtype, keys.shape[3], bits, group_size, dense_out)
-                         if ok else None)
+            self.plan = (write_plan(keys.dtype, keys.shape[3], bits, group_size, dense_out,
+                                    packed) if ok else None)
             self.sig = sig
         return self.plan
 
@@ -123,6 +124,11 @@ class DenseKV:
 
     def dense_keys(self, n: int) -> mx.array:
         return self.keys[..., :n, :]
+
+    @property
+    def group_keys(self) -> mx.array:
+        """What the group fold reads: the K buffer."""
+        return self.keys
 
     @property
     def nbytes(self) -> int:

@@ -189,16 +189,11 @@ def all_sources(backend: str) -> List[Tuple[str, str, str]]:
     return out
 
 
-def group_k_names(n_layers: int, quantized: bool):
-    """The group fold's K inputs: k0.. (dense), or kw0.., ks0.., kb0.. (triples)."""
-    prefixes = ("kw", "ks", "kb") if quantized else ("k",)
-    return [f"{p}{i}" for p in prefixes for i in range(n_layers)]
-
-
 def group_names(n_layers: int, quantized: bool = False):
     """Input and output names of the group fold over ``n_layers`` layers."""
     qs = [f"q{i}" for i in range(n_layers)]
-    inputs = [*qs, *group_k_names(n_layers, quantized), "lay_i", "lay_f", "pos_in",
+    ks = [f"k{i}" for i in range(n_layers)]  # dense K, or packed K/V (``quantized``)
+    inputs = [*qs, *ks, "lay_i", "lay_f", "pos_in",
               "score_in", "count_in", "slot", "pin"]
     outputs = ["pos_out", "score_out", "count_out", "victim", "logits", "lay_out"]
     return inputs, outputs + [f"v{i}" for i in range(n_layers)]
@@ -206,7 +201,7 @@ def group_names(n_layers: int, quantized: bool = False):
 
 def group_source(backend: str, n_layers: int, quantized: bool = False):
     """(header, body) of the group fold (kernels/group_fold.py) over dense K
-    buffers or quantized triples (template constants BITS, GS)."""
+    buffers or packed quantized K/V (kernels/packed.py; constants BITS, GS)."""
     header, ids = _prelude(backend)
 
     def select(name):  # layer == 0 ? name0 : layer == 1 ? name1 : ... : name{n-1}
@@ -216,8 +211,7 @@ def group_source(backend: str, n_layers: int, quantized: bool = False):
     vsel = "\n".join(f"        case {i}: v{i}[vb + i] = victim_s; break;"
                      for i in range(n_layers))
     if quantized:
-        ksetup = Template(src.GROUP_K_QUANT).substitute(
-            KWSELECT=select("kw"), KSSELECT=select("ks"), KBSELECT=select("kb"))
+        ksetup = Template(src.GROUP_K_QUANT).substitute(KSELECT=select("k"))
         kload = src.GROUP_LOAD_QUANT
     else:
         ksetup = Template(src.GROUP_K_DENSE).substitute(KSELECT=select("k"))

@@ -18,9 +18,8 @@ from .h2o_step import _pins, params_row
 from .quantized_reference import BITS
 
 # Metal binds at most 31 buffers per kernel, shape and stride arrays
-# included: 19 + 3 per layer (dense), 19 + 5 (quantized K).
+# included: 19 + 3 per layer (a dense K buffer or a packed K/V one).
 MAX_LAYERS = {"cuda": 64, "metal": 4}
-MAX_LAYERS_QUANTIZED = {"cuda": 64, "metal": 2}
 
 
 class GroupFold(NamedTuple):
@@ -36,15 +35,15 @@ class GroupFold(NamedTuple):
     #                          triples): the same, one per layer
 
 
-def max_layers(quantized: bool = False) -> int:
+def max_layers() -> int:
     """Layers one launch can take on this backend (0: no GPU backend)."""
-    return (MAX_LAYERS_QUANTIZED if quantized else MAX_LAYERS).get(gpu_backend(), 0)
+    return MAX_LAYERS.get(gpu_backend(), 0)
 
 
 def group_fold_supported(dtype, head_dim: int, n_heads: int, n_kv_heads: int,
                          bits: Optional[int] = None, group_size: int = 64) -> bool:
     """Whether group_fold runs here for layers of these shapes (``bits``: K as
-    affine-quantized triples of that width and ``group_size``)."""
+    packed affine-quantized K/V of that width and ``group_size``)."""
     quant_ok = bits is None or (bits in BITS and group_size % 8 == 0
                                 and head_dim % group_size == 0)
     return (max_layers() > 0 and mx.default_device() == mx.gpu and dtype in DTYPES
@@ -67,9 +66,8 @@ class GroupPlan:
         self.n, self.B, self.Hq, self.Hk, self.D, self.M = n, B, Hq, Hk, D, M
         quantized = bits is not None
         self.kernel = _make_group_kernel(n, quantized)
-        # Victims repeat along D for dense writes; triples take (B, Hk, 1, 1).
+        # Victims repeat along D for dense writes; packed ones take (B, Hk, 1, 1).
         self.VD = 1 if quantized else D
-        self.k_inputs = 3 * n if quantized else n
         self.template = [("T", dtype), ("D", D), ("G", Hq // Hk), ("HK", Hk), ("NB", B),
                          ("MODE", SCORE_MODES.index(mode)), ("VD", self.VD)]
         if quantized:
@@ -77,15 +75,12 @@ class GroupPlan:
         self.pins = _pins(pinned)
 
     def __call__(self, queries, keys, lay_i, lay_f, positions, score, count, slot) -> GroupFold:
-        if self.k_inputs != self.n:  # triples: all codes, then scales, then biases
-            keys = [k[j] for j in range(3) for k in keys]
         res = self._launch(*queries, *keys, lay_i, lay_f, positions, score, count, slot)
         return GroupFold(*res[:6], list(res[6:]))
 
     def _launch(self, *arrays):
-        n, nk = self.n, self.k_inputs
-        qs, keys, (lay_i, lay_f, pos, sc, cn, slot) = (
-            arrays[:n], arrays[n:n + nk], arrays[n + nk:])
+        n = self.n
+        qs, keys, (lay_i, lay_f, pos, sc, cn, slot) = arrays[:n], arrays[n:2 * n], arrays[2 * n:]
         n, B, Hq, Hk, D, M = self.n, self.B, self.Hq, self.Hk, self.D, self.M
         i32, f32 = mx.int32, mx.float32
         return self.kernel(
@@ -113,8 +108,8 @@ def group_fold(queries: Sequence[mx.array], keys: Sequence, lay_i, lay_f, positi
         queries: n decode queries (B, Hq, 1, D), one per layer (separate
             inputs: stacking them cost one copy kernel per layer).
         keys: n whole K buffers (B, Hk, cap_l, D), the token already written;
-            with ``bits``: n (codes, scales, biases) triples of mx.quantize
-            along D (``group_size``) instead.
+            with ``bits``: n packed K/V buffers (kernels/packed.py) of
+            mx.quantize along D (``group_size``) instead.
         lay_i: (n, 8) int32 rows of ``layer_params``; lay_f: (n, 4) float32
             rows (scale, EMA alpha, 1 - alpha, 0).
         positions (int32), score, count (float32): (n * B, Hk, M), layer l's
@@ -126,7 +121,7 @@ def group_fold(queries: Sequence[mx.array], keys: Sequence, lay_i, lay_f, positi
     B, Hq, _, D = q.shape
     Hk, M = positions.shape[1], positions.shape[2]
     if (not group_fold_supported(q.dtype, D, Hq, Hk, bits, group_size)
-            or not 0 < n <= max_layers(bits is not None) or len(queries) != n):
+            or not 0 < n <= max_layers() or len(queries) != n):
         raise ValueError(f"group_fold: not supported here for {len(queries)} queries and "
                          f"{n} K buffers of {q.dtype} queries {q.shape} "
                          f"(backend={gpu_backend()})")

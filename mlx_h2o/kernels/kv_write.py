@@ -31,6 +31,7 @@ import mlx.core as mx
 
 from .build import _digest, _prelude, gpu_backend
 from .decode import DTYPES
+from .packed import row_words
 from .quantized_reference import BITS, GROUP_SIZES
 
 NT = 256
@@ -61,18 +62,15 @@ $IDS
   constexpr int PW = 32 / BITS;  // codes per word
   constexpr unsigned MASKB = (1u << BITS) - 1u;
   const float NBINS = static_cast<float>((1 << BITS) - 1);
-  const i64 cap = kw_shape[2];
+  const i64 cap = ${FIRST}_shape[2];
   const i64 gid = (i64)blk_x * $NT + tid;
-  if (gid >= (i64)kw_shape[0] * kw_shape[1] * cap * WPR) return;
+  if (gid >= (i64)${FIRST}_shape[0] * ${FIRST}_shape[1] * cap * WPR) return;
   const int j = (int)(gid % WPR);  // word in the row
   const int g = j / GW;  // its group
   const i64 rs = gid / WPR;  // row * cap + slot
   const i64 r = rs / cap;
   const bool is_v = blk_y == 1;
-  auto w_out = is_v ? vw_out : kw_out;
-  auto s_out = is_v ? vs_out : ks_out;
-  auto b_out = is_v ? vb_out : kb_out;
-  const i64 so = rs * SPR + g;
+$ROWS
   const bool first = (j % GW) == 0;  // writes the group's scale and bias
   float sc, bi;
   unsigned word = 0u;
@@ -103,25 +101,46 @@ $IDS
     const T s_ = static_cast<T>(scale);
     const T b_ = static_cast<T>(bias);
     if (first) {
-      s_out[so] = s_;
-      b_out[so] = b_;
+      s_out[g] = s_;
+      b_out[g] = b_;
     }
     sc = static_cast<float>(s_);
     bi = static_cast<float>(b_);
   } else {
-    const T s_ = (is_v ? vs : ks)[so];
-    const T b_ = (is_v ? vb : kb)[so];
+    const T s_ = s_in[g];
+    const T b_ = b_in[g];
     if (first) {
-      s_out[so] = s_;
-      b_out[so] = b_;
+      s_out[g] = s_;
+      b_out[g] = b_;
     }
-    word = (is_v ? vw : kw)[rs * WPR + j];
+    word = w_in[j];
     sc = static_cast<float>(s_);
     bi = static_cast<float>(b_);
   }
-  w_out[rs * WPR + j] = word;
+  w_out[j] = word;
 $DENSE
 """)
+
+# Where a row's codes, scales and biases are read and written: six triples ...
+TRIPLE_ROWS = r"""
+  auto w_in = (is_v ? vw : kw) + rs * WPR;
+  auto s_in = (is_v ? vs : ks) + rs * SPR;
+  auto b_in = (is_v ? vb : kb) + rs * SPR;
+  auto w_out = (is_v ? vw_out : kw_out) + rs * WPR;
+  auto s_out = (is_v ? vs_out : ks_out) + rs * SPR;
+  auto b_out = (is_v ? vb_out : kb_out) + rs * SPR;
+"""
+# ... or one packed buffer (kernels/packed.py): [K codes | V codes | K scales,
+# K biases | V scales, V biases], the scales and biases stored as T.
+PACKED_ROWS = r"""
+  constexpr int RW = 2 * WPR + SPR * (int)sizeof(T);  // words per packed row
+  auto w_in = kv + rs * RW + (is_v ? WPR : 0);
+  auto s_in = reinterpret_cast<const H2O_DEVICE T*>(kv + rs * RW + 2 * WPR) + (is_v ? 2 * SPR : 0);
+  auto b_in = s_in + SPR;
+  auto w_out = kv_out + rs * RW + (is_v ? WPR : 0);
+  auto s_out = reinterpret_cast<H2O_DEVICE T*>(kv_out + rs * RW + 2 * WPR) + (is_v ? 2 * SPR : 0);
+  auto b_out = s_out + SPR;
+"""
 
 # This word's values as mx.dequantize gives them (scale * code + bias, one
 # rounding to T), for MLX's SDPA.
@@ -154,35 +173,38 @@ $IDS
 """)
 
 
-def names(quantized: bool, dense_out: bool = True):
-    """Input and output names of the write kernel."""
+def names(quantized: bool, dense_out: bool = True, packed: bool = False):
+    """Input and output names of the write kernel (``packed``: one buffer for
+    the quantized K and V, kernels/packed.py)."""
     if not quantized:
         return ["kn", "vn", "idx", "k", "v"], ["k_out", "v_out"]
-    triples = ["kw", "ks", "kb", "vw", "vs", "vb"]
-    outputs = [f"{t}_out" for t in triples] + (["kd", "vd"] if dense_out else [])
-    return ["kn", "vn", "idx", *triples], outputs
+    stored = ["kv"] if packed else ["kw", "ks", "kb", "vw", "vs", "vb"]
+    outputs = [f"{t}_out" for t in stored] + (["kd", "vd"] if dense_out else [])
+    return ["kn", "vn", "idx", *stored], outputs
 
 
-def source(backend: str, quantized: bool, dense_out: bool = True):
+def source(backend: str, quantized: bool, dense_out: bool = True, packed: bool = False):
     """(header, body) of the write kernel."""
     header, ids = _prelude(backend)
     if quantized:
-        body = QUANT_BODY.substitute(IDS=ids, NT=NT, DENSE=DENSE_OUT if dense_out else "")
+        body = QUANT_BODY.substitute(
+            IDS=ids, NT=NT, DENSE=DENSE_OUT if dense_out else "",
+            FIRST="kv" if packed else "kw", ROWS=PACKED_ROWS if packed else TRIPLE_ROWS)
     else:
         body = DENSE_BODY.substitute(IDS=ids, NT=NT, CHUNK=CHUNK)
     return header + KV_HEADER, body
 
 
 @lru_cache(maxsize=None)
-def _make_write_kernel(quantized: bool, dense_out: bool = True):
+def _make_write_kernel(quantized: bool, dense_out: bool = True, packed: bool = False):
     """The write kernel, or None without a GPU backend. Inputs are made
     row-contiguous (they are indexed flat; cache buffers already are)."""
     backend = gpu_backend()
     if backend is None:
         return None
-    header, body = source(backend, quantized, dense_out)
-    inputs, outputs = names(quantized, dense_out)
-    kind = f"q{int(dense_out)}" if quantized else "d"
+    header, body = source(backend, quantized, dense_out, packed)
+    inputs, outputs = names(quantized, dense_out, packed)
+    kind = f"{'p' if packed else 'q'}{int(dense_out)}" if quantized else "d"
     make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
     return make(name=f"h2o_kvwrite_{kind}_{_digest(header, body)}", input_names=inputs,
                 output_names=outputs, source=body, header=header, ensure_row_contiguous=True)
@@ -210,9 +232,9 @@ class QuantizedWrite(NamedTuple):
 class WritePlan:
     """The write for fixed settings; calls replay through mx.compile (host time)."""
 
-    def __init__(self, dtype, D, bits=None, group_size=64, dense_out=True):
+    def __init__(self, dtype, D, bits=None, group_size=64, dense_out=True, packed=False):
         self.quantized, self.dense_out, self.bits = bits is not None, dense_out, bits
-        self.kernel = _make_write_kernel(self.quantized, dense_out)
+        self.kernel = _make_write_kernel(self.quantized, dense_out, packed)
         self.dtype, self.D = dtype, D
         self.template = [("T", dtype), ("D", D)]
         if self.quantized:
@@ -242,8 +264,8 @@ class WritePlan:
 
 
 @lru_cache(maxsize=32)
-def write_plan(dtype, D, bits=None, group_size=64, dense_out=True) -> WritePlan:
-    return WritePlan(dtype, D, bits, group_size, dense_out)
+def write_plan(dtype, D, bits=None, group_size=64, dense_out=True, packed=False) -> WritePlan:
+    return WritePlan(dtype, D, bits, group_size, dense_out, packed and bits is not None)
 
 
 def _check(keys, values, index, bits, group_size):
@@ -264,6 +286,23 @@ def quantized_write(keys, values, index, stored_keys, stored_values, *, bits: in
     res = plan(keys, values, index, *stored_keys, *stored_values)
     dense = (res[6], res[7]) if dense_out else (None, None)
     return QuantizedWrite(tuple(res[:3]), tuple(res[3:6]), *dense)
+
+
+def packed_write(keys, values, index, stored, *, bits: int, group_size: int,
+                 dense_out: bool = True):
+    """``quantized_write`` for a packed K/V buffer (kernels/packed.py): returns
+    (packed buffer, dense keys, dense values) or, without ``dense_out``, the
+    buffer alone."""
+    _check(keys, values, index, bits, group_size)
+    D = keys.shape[3]
+    if stored.dtype != mx.uint32 or stored.shape[-1] != row_words(D, bits, group_size,
+                                                                   keys.dtype):
+        raise ValueError(f"packed_write: stored {stored.shape} {stored.dtype} is not a "
+                         f"packed buffer of D={D}, bits={bits}, group_size={group_size}, "
+                         f"{keys.dtype} (kernels/packed.py: pack)")
+    plan = write_plan(keys.dtype, D, bits, group_size, dense_out, True)
+    res = plan(keys, values, index, stored)
+    return tuple(res) if dense_out else res[0]
 
 
 def dense_write(keys, values, index, stored_keys, stored_values):

@@ -48,6 +48,7 @@ CUDA_HEADER = r"""
 #define H2O_MIN(a, b) min((a), (b))
 typedef long long i64;
 """ + ROW_MACROS + r"""#define H2O_SHARED __shared__
+#define H2O_DEVICE
 #define H2O_THREAD
 #define H2O_BARRIER() __syncthreads()
 #define H2O_BARRIER_DEVICE() __syncthreads()
@@ -116,6 +117,7 @@ METAL_HEADER = r"""
 #define H2O_MIN(a, b) metal::min((a), (b))
 typedef long i64;
 """ + ROW_MACROS + r"""#define H2O_SHARED threadgroup
+#define H2O_DEVICE device
 #define H2O_THREAD thread
 #define H2O_BARRIER() threadgroup_barrier(metal::mem_flags::mem_threadgroup)
 #define H2O_BARRIER_DEVICE() \
@@ -738,28 +740,27 @@ GROUP_LOAD_DENSE = r"""
         h2o_cvt<E>(kr, kf);
       }
 """
-# ... or affine-quantized triples (kw: uint32 codes, ks / kb: scales and
-# biases; BITS-wide codes, low bits first; one scale per GS values, GS >= E).
+# ... or packed affine-quantized K/V (kernels/packed.py; uint32 rows of
+# [K codes | V codes | K scales, K biases | ...]; BITS-wide codes, low bits
+# first; one scale per GS values, GS >= E).
 GROUP_K_QUANT = r"""
   constexpr int WPR = D * BITS / 32;  // code words per row
   constexpr int SPR = D / GS;  // scales per row
+  constexpr int RW = 2 * WPR + SPR * (int)sizeof(T);  // words per packed row
   constexpr unsigned MASKB = (1u << BITS) - 1u;
-  const i64 krow0 = ((i64)bq * HK + blk_x % HK) * kcap;
-  auto kwl = $KWSELECT;
-  auto ksl = $KSSELECT;
-  auto kbl = $KBSELECT;
-  kwl += krow0 * WPR;
-  ksl += krow0 * SPR;
-  kbl += krow0 * SPR;
+  auto kl = $KSELECT;
+  kl += ((i64)bq * HK + blk_x % HK) * kcap * RW;
 """
 GROUP_LOAD_QUANT = r"""
       {
-        const float sc = static_cast<float>(ksl[(i64)s * SPR + d0 / GS]);
-        const float bi = static_cast<float>(kbl[(i64)s * SPR + d0 / GS]);
+        auto row = kl + (i64)s * RW;
+        auto sb = reinterpret_cast<const H2O_DEVICE T*>(row + 2 * WPR);
+        const float sc = static_cast<float>(sb[d0 / GS]);
+        const float bi = static_cast<float>(sb[SPR + d0 / GS]);
         H2O_UNROLL
         for (int e = 0; e < E; ++e) {
           const int d = d0 + e;
-          const unsigned word = kwl[(i64)s * WPR + (d * BITS) / 32];
+          const unsigned word = row[(d * BITS) / 32];
           kf[e] = static_cast<float>((word >> ((d * BITS) % 32)) & MASKB) * sc + bi;
         }
       }

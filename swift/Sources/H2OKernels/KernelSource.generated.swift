@@ -259,14 +259,10 @@ $VSELECT
 
   constexpr int WPR = D * BITS / 32;  // code words per row
   constexpr int SPR = D / GS;  // scales per row
+  constexpr int RW = 2 * WPR + SPR * (int)sizeof(T);  // words per packed row
   constexpr unsigned MASKB = (1u << BITS) - 1u;
-  const i64 krow0 = ((i64)bq * HK + blk_x % HK) * kcap;
-  auto kwl = $KWSELECT;
-  auto ksl = $KSSELECT;
-  auto kbl = $KBSELECT;
-  kwl += krow0 * WPR;
-  ksl += krow0 * SPR;
-  kbl += krow0 * SPR;
+  auto kl = $KSELECT;
+  kl += ((i64)bq * HK + blk_x % HK) * kcap * RW;
 
 """#,
         "GROUP_LOAD_DENSE": #"""
@@ -281,12 +277,14 @@ $VSELECT
         "GROUP_LOAD_QUANT": #"""
 
       {
-        const float sc = static_cast<float>(ksl[(i64)s * SPR + d0 / GS]);
-        const float bi = static_cast<float>(kbl[(i64)s * SPR + d0 / GS]);
+        auto row = kl + (i64)s * RW;
+        auto sb = reinterpret_cast<const H2O_DEVICE T*>(row + 2 * WPR);
+        const float sc = static_cast<float>(sb[d0 / GS]);
+        const float bi = static_cast<float>(sb[SPR + d0 / GS]);
         H2O_UNROLL
         for (int e = 0; e < E; ++e) {
           const int d = d0 + e;
-          const unsigned word = kwl[(i64)s * WPR + (d * BITS) / 32];
+          const unsigned word = row[(d * BITS) / 32];
           kf[e] = static_cast<float>((word >> ((d * BITS) % 32)) & MASKB) * sc + bi;
         }
       }
@@ -347,6 +345,7 @@ typedef long i64;
     x[0] += H2O_SHFL_XOR(x[0], (M));                                     \
   }
 #define H2O_SHARED threadgroup
+#define H2O_DEVICE device
 #define H2O_THREAD thread
 #define H2O_BARRIER() threadgroup_barrier(metal::mem_flags::mem_threadgroup)
 #define H2O_BARRIER_DEVICE() \
