@@ -166,7 +166,7 @@ def op_probe(layers=36, n=256, reps=20):
     def scatter(a, i):
         return mx.put_along_axis(a, idx, new, axis=2)
 
-    idx_d = mx.broadcast_to(idx.astype(mx.int32), (B, Hk, 1, D))
+    idx_d = mx.contiguous(mx.broadcast_to(idx.astype(mx.int32), (B, Hk, 1, D)))  # as the fold gives it
     idx_q = idx.astype(mx.int32)
     qkv = [[mx.quantize(a, group_size=64, bits=8) for a in pair] for pair in kv]
     mx.eval(idx_d, idx_q, qkv)

@@ -17,10 +17,15 @@ step (8-bit, 1K slots, 8 KV heads, D 128: ~8 MB, ~4 us at the H100's
 2.4 TB/s). ``dense_write`` is the same for plain K/V (two outputs instead of
 two scatters).
 
+Each output costs ~3 us of host time per launch (``scripts/gpu_launch_cost.py``),
+so a group step writes K and V packed in one buffer (``packed_write``,
+kernels/packed.py): 3 outputs instead of the triples' 8.
+
 Shapes: keys/values (B, Hk, 1, D); index (B, Hk, 1, W) int32, the slot in
 its first column (W = 1 for triples, D for a dense fold's broadcast victim);
 stored triples (B, Hk, cap, D * bits / 32) uint32 and (B, Hk, cap, D / gs)
-scales / biases of the keys' dtype; dense buffers (B, Hk, cap, D).
+scales / biases of the keys' dtype, or one packed (B, Hk, cap, row_words)
+uint32 buffer; dense buffers (B, Hk, cap, D).
 """
 
 from functools import lru_cache
