@@ -224,6 +224,13 @@ def test_quantized_group_equals_per_layer(bits):
     plain, grouped = [qt(c) for c in cfgs], [qt(c) for c in cfgs]
     make_groups(grouped, size=2, use_kernel=False)
     assert grouped[0]._group is not None and grouped[0]._group is grouped[1]._group
+    quantized_runs_agree(plain, grouped)
+
+
+def quantized_runs_agree(plain, grouped):
+    """A prompt and 60 decode tokens through both stacks (a metadata read
+    mid-way): outputs within quantization rounding, the same evictions and
+    kept positions, scores up to rounding."""
     lengths = [5] + [1] * 60
     a, b = run(plain, 3, lengths, (45,), d=64), run(grouped, 3, lengths, (45,), d=64)
     for x, y in zip(a, b):
