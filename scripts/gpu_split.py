@@ -129,7 +129,8 @@ def serial_split(model, cache, y, steps):
 
 
 def kernel_time(model, cache, y, steps):
-    """GPU kernel ms per token (sum of CUPTI kernel durations) and kernels per token."""
+    """GPU kernel ms per token (sum of CUPTI kernel durations), kernels per token,
+    and per kernel name its total us and its launches."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -140,13 +141,14 @@ def kernel_time(model, cache, y, steps):
         mx.eval(y)
         mx.synchronize()
     total, count = 0.0, 0
-    names = collections.Counter()
+    names, launches = collections.Counter(), collections.Counter()
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             t = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
             total, count = total + t, count + 1
             names[e.name[:60]] += t
-    return y, total / steps / 1e3, count / steps, names
+            launches[e.name[:60]] += 1
+    return y, total / steps / 1e3, count / steps, names, launches
 
 
 def op_probe(layers=36, n=256, reps=20):
@@ -307,14 +309,17 @@ def main():
         state[name] = [cache, prefill(model, cache, args.context)]
     rows = {k: [] for k in made}
     top = {k: collections.Counter() for k in made}
+    launched = {k: collections.Counter() for k in made}
     for r in range(args.rounds):
         for name, (cache, y) in state.items():
             y, row = generate_split(model, cache, y, args.steps)
             y, idle = serial_split(model, cache, y, args.steps)
             row.update(idle)
             if not args.no_trace:
-                y, row["kernel"], row["kernels"], names = kernel_time(model, cache, y, args.steps)
+                y, row["kernel"], row["kernels"], names, n = kernel_time(model, cache, y,
+                                                                        args.steps)
                 top[name].update(names)
+                launched[name].update(n)
             state[name][1] = y
             rows[name].append(row)
             print(f"round={r} {name:>13}: " + " ".join(f"{k} {v:6.2f}" for k, v in row.items()),
@@ -339,6 +344,9 @@ def main():
             head = ", ".join(f"{k[:40]} {t / args.steps / args.rounds:.0f}"
                              for k, t in c.most_common(5))
             print(f"  top kernels {name} (us/token): {head}")
+            per = args.steps * args.rounds
+            head = ", ".join(f"{k[:40]} {n / per:.1f}" for k, n in launched[name].most_common(12))
+            print(f"  launches per token {name}: {head}")
     print(json.dumps({"context": args.context, "budget": args.budget, "rows": rows}))
 
 
