@@ -15,13 +15,17 @@ Unless ``--no-trace``, each round also runs every strategy under
 torch.profiler (CUPTI sees MLX's kernels; it inflates durations) for the
 kernel time per token. ``--ops``: build and dispatch cost of cache writes + SDPA
 by op, and of the group fold.
-Strategies are interleaved round by round; ratios are medians of per-round
+Strategies are interleaved round by round, each round starting one strategy
+later (a fixed order gave one position a systematic edge), with a garbage
+collection before each strategy's turn (none pays for another's garbage);
+``--pin CPU`` keeps the process on one core. Ratios are medians of per-round
 ratios (paired), and of each strategy's fastest round ("best rounds").
 Diagnostic, not a benchmark of record (docs/GPU.md).
 """
 
 import argparse
 import collections
+import gc
 import json
 import os
 import statistics
@@ -287,7 +291,11 @@ def main():
     p.add_argument("--no-trace", action="store_true", help="skip the CUPTI kernel times")
     p.add_argument("--ops", action="store_true", help="also the per-op dispatch probe")
     p.add_argument("--ops-only", action="store_true", help="the probes, no decode runs")
+    p.add_argument("--pin", type=int, default=None, metavar="CPU",
+                   help="run on this CPU core only (less scheduler noise)")
     args = p.parse_args()
+    if args.pin is not None:
+        os.sched_setaffinity(0, {args.pin})
     if args.ops or args.ops_only:
         print("op probe, dispatch (and build) ms per token (36 layers, idle GPU):",
               json.dumps({k: round(v, 3) for k, v in op_probe().items()}), flush=True)
@@ -310,8 +318,11 @@ def main():
     rows = {k: [] for k in made}
     top = {k: collections.Counter() for k in made}
     launched = {k: collections.Counter() for k in made}
+    names = list(state)
     for r in range(args.rounds):
-        for name, (cache, y) in state.items():
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            cache, y = state[name]
+            gc.collect()
             y, row = generate_split(model, cache, y, args.steps)
             y, idle = serial_split(model, cache, y, args.steps)
             row.update(idle)
