@@ -353,7 +353,7 @@ def main():
     if not args.no_trace:
         for name, c in top.items():
             head = ", ".join(f"{k[:40]} {t / args.steps / args.rounds:.0f}"
-                             for k, t in c.most_common(5))
+                             for k, t in c.most_common(8))
             print(f"  top kernels {name} (us/token): {head}")
             per = args.steps * args.rounds
             head = ", ".join(f"{k[:40]} {n / per:.1f}" for k, n in launched[name].most_common(12))
