@@ -318,9 +318,9 @@ def main():
     rows = {k: [] for k in made}
     top = {k: collections.Counter() for k in made}
     launched = {k: collections.Counter() for k in made}
-    names = list(state)
+    order = list(state)
     for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in order[r % len(order):] + order[:r % len(order)]:
             cache, y = state[name]
             gc.collect()
             y, row = generate_split(model, cache, y, args.steps)
