@@ -72,6 +72,14 @@ def dense_fused_write(cache):
     return cache
 
 
+def fold_at_next_token(cache):
+    """Groups that fold at the next token's first member call (before session 9)."""
+    for c in cache:
+        if c._group is not None:
+            c._group.fold_at_last_push = False
+    return cache
+
+
 def strategies(model, context, budget):
     n = len(model.layers)
     cfg = H2OConfig(max_size=budget, heavy_budget=budget // 2)
@@ -85,6 +93,7 @@ def strategies(model, context, budget):
         "h2o_q8_group_kernel": lambda: quantized(model, cfg, 8, True, by_kernel=True),
         "h2o_q8_group_ops": lambda: quantized(model, cfg, 8, True, fused_write=False),
         "h2o_fw": lambda: dense_fused_write(make_h2o_cache(model, cfg)),
+        "h2o_fold_next": lambda: fold_at_next_token(make_h2o_cache(model, cfg)),
         "h2o_per_layer": lambda: without_groups(make_h2o_cache(model, cfg)),
         # mlx-lm's own: opt-in, MLX 0.32's CUDA quantized_matmul has no kernel
         # for 4097 keys, so it fails at the first decode step after prefill

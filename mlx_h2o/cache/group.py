@@ -34,6 +34,16 @@ class StepGroup:
     the reference (tests); True requires the kernel.
     """
 
+    # Fold when the last member pushed, in this token's graph, instead of at
+    # the next token's first member call. The fold reads every member's K
+    # buffer; a victim write (put_along_axis) can donate that buffer only once
+    # the fold's launch has finished on the GPU (MLX holds a launch's inputs
+    # until then), otherwise it copies it. Folding at the next token's start
+    # made some of the first layers' writes copy, how many depending on timing
+    # (9-10 per token on the H100), and every change in a token's kernel list
+    # costs CUDA-graph updates on the host (docs/GPU.md, "Session 9").
+    fold_at_last_push = True
+
     def __init__(self, use_kernel: Optional[bool] = None):
         self.use_kernel = use_kernel
         self.members: List = []
@@ -65,11 +75,17 @@ class StepGroup:
             self._sig = (sig, kind is not None and (kernel or self.use_kernel is False), kernel)
         return self._sig[:2] == (sig, True)
 
-    def push(self, cache, queries: mx.array, scale: float) -> None:
-        """``cache`` wrote its token into ``cache._slot`` and attended: fold later."""
+    def push(self, cache, queries: mx.array, scale: float, out: mx.array) -> mx.array:
+        """``cache`` wrote its token into ``cache._slot`` and attended (``out``):
+        fold later. Returns ``out``, made to depend on the fold when this was the
+        last member to push (``fold_at_last_push``)."""
         self._pending[id(cache)] = (cache, queries, cache._slot)
         cache._group_scale = scale
         cache._slot, cache._meta_pending, cache._pending = None, False, False
+        if self.fold_at_last_push and len(self._pending) == len(self.members):
+            self.flush()
+            return mx.depends(out, self._meta[0])
+        return out
 
     def holds(self, cache) -> bool:
         return id(cache) in self._pending or id(cache) in self._ids

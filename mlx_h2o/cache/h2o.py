@@ -147,8 +147,7 @@ class H2OKVCache:
         if self._group is not None:
             if self._group_step(queries, mask, sinks):
                 out = self.kv.sdpa(queries, keys, values, scale=scale)
-                self._group.push(self, queries, scale)
-                return out
+                return self._group.push(self, queries, scale, out)
             self._leave_group()
         plan = self._fused_plan(queries, keys, values, scale, mask, sinks)
         if plan is not None:
