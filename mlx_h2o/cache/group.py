@@ -5,9 +5,9 @@ picked before it writes. Per layer that was one custom attention launch per
 token: ~13 us of host time against ~1 us for MLX's SDPA, and 28 us of GPU time
 against cuDNN's 8 at 256 keys (docs/GPU.md). In a group, a member
 in the evicting steady state writes its token into the victim slot, attends
-with MLX's SDPA and pushes its query here; the first member call of the next
-token folds every pushed query and picks every member's next victim at once
-(kernels.group_fold). The decisions are those of the per-layer step.
+with MLX's SDPA and pushes its query here; the last member's push folds every
+pushed query and picks every member's next victim at once (kernels.group_fold),
+in the same token's graph. The decisions are those of the per-layer step.
 
 While members take group steps, their positions / score / count live here,
 stacked (``_stack``); any other use of a member's metadata releases the group
@@ -40,7 +40,7 @@ class StepGroup:
     # the fold's launch has finished on the GPU (MLX holds a launch's inputs
     # until then), otherwise it copies it. Folding at the next token's start
     # made some of the first layers' writes copy, how many depending on timing
-    # (9-10 per token on the H100), and every change in a token's kernel list
+    # (9-11 per token on the H100), and every change in a token's kernel list
     # costs CUDA-graph updates on the host (docs/GPU.md, "Session 9").
     fold_at_last_push = True
 
