@@ -58,6 +58,21 @@ def _select(cond: mx.array, a: Triple, b: Triple) -> Triple:
     return tuple(mx.where(cond, x, y) for x, y in zip(a, b))
 
 
+def _unpacked(name):
+    """K or V as triples; a packed buffer is unpacked first (read or set)."""
+    attr = "_" + name
+
+    def get(self):
+        self._unpack()
+        return getattr(self, attr)
+
+    def put(self, value):
+        self._unpack()
+        setattr(self, attr, value)
+
+    return property(get, put)
+
+
 class QuantizedKV:
     """Keys and values as (B, n_kv_heads, slots, ·) affine-quantized triples.
 
@@ -85,25 +100,8 @@ class QuantizedKV:
         # SDPA that follows; stale once the buffer is not the stored one.
         self._dense = None
 
-    @property
-    def keys(self) -> Triple | None:
-        self._unpack()
-        return self._keys
-
-    @keys.setter
-    def keys(self, t: Triple | None):
-        self._unpack()
-        self._keys = t
-
-    @property
-    def values(self) -> Triple | None:
-        self._unpack()
-        return self._values
-
-    @values.setter
-    def values(self, t: Triple | None):
-        self._unpack()
-        self._values = t
+    keys = _unpacked("keys")  # Triple | None
+    values = _unpacked("values")  # Triple | None
 
     @property
     def group_keys(self) -> mx.array:
@@ -114,13 +112,16 @@ class QuantizedKV:
             self._keys = self._values = None
         return self._packed
 
+    def _views(self):
+        """The packed buffer's (keys, values) triples, as views."""
+        D, dtype = self._layout
+        return unpack(self._packed, D, self.bits, self.group_size, dtype)
+
     def _unpack(self):
         if self._packed is None:
             return
-        D, dtype = self._layout
-        keys, values = unpack(self._packed, D, self.bits, self.group_size, dtype)
         # Contiguous copies: the triples' readers (scatters, kernels) then use them as is.
-        self._keys, self._values = (tuple(mx.contiguous(a) for a in t) for t in (keys, values))
+        self._keys, self._values = (tuple(mx.contiguous(a) for a in t) for t in self._views())
         self._packed = None
 
     @property
@@ -183,9 +184,8 @@ class QuantizedKV:
         fold kernel keeps K/V packed): quantize, one scatter, dequantize."""
         token = pack(self.quantize(keys), self.quantize(values))
         self._packed = mx.put_along_axis(self._packed, index, token, axis=2)
-        D, dtype = self._layout
         kd, vd = (mx.dequantize(*t, group_size=self.group_size, bits=self.bits)
-                  for t in unpack(self._packed, D, self.bits, self.group_size, dtype))
+                  for t in self._views())
         self._dense = (self._packed, kd, vd)
 
     def put(self, slot: mx.array, keys: Triple, values: Triple):

@@ -79,9 +79,8 @@ class GroupPlan:
         return GroupFold(*res[:6], list(res[6:]))
 
     def _launch(self, *arrays):
-        n = self.n
-        qs, keys, (lay_i, lay_f, pos, sc, cn, slot) = arrays[:n], arrays[n:2 * n], arrays[2 * n:]
         n, B, Hq, Hk, D, M = self.n, self.B, self.Hq, self.Hk, self.D, self.M
+        qs, keys, (lay_i, lay_f, pos, sc, cn, slot) = arrays[:n], arrays[n:2 * n], arrays[2 * n:]
         i32, f32 = mx.int32, mx.float32
         return self.kernel(
             inputs=[*qs, *keys, lay_i, lay_f, pos, sc, cn, slot, self.pins],
