@@ -32,6 +32,7 @@ import statistics
 import sys
 import time
 import types
+from dataclasses import replace
 
 import mlx.core as mx
 
@@ -87,6 +88,9 @@ def strategies(model, context, budget):
         "kvcache": lambda: [KVCache() for _ in range(n)],
         "rotating": lambda: [RotatingKVCache(max_size=budget, keep=4) for _ in range(n)],
         "h2o": lambda: make_h2o_cache(model, cfg),
+        # batched eviction (H2OConfig.evict_batch): KVCache-like appends between batches
+        "h2o_batch32": lambda: make_h2o_cache(model, replace(cfg, evict_batch=32)),
+        "h2o_batch64": lambda: make_h2o_cache(model, replace(cfg, evict_batch=64)),
         "h2o_no_evict": lambda: make_h2o_cache(model, H2OConfig(max_size=context + 4096)),
         "h2o_q8": lambda: quantized(model, cfg, 8, False),
         "h2o_q8_group": lambda: quantized(model, cfg, 8, True),

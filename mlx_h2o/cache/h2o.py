@@ -72,6 +72,9 @@ class H2OKVCache:
     _group = None
     _group_scale = None  # the scale of the query this cache last pushed
     group_steps = True  # False: never join a group (per-layer steps only)
+    # config.evict_batch > 1 applies (subclasses that move tokens between
+    # storage zones on eviction opt out).
+    batch_eviction = True
 
     positions = _folded("positions")  # (B, Hk, cap) int32 token position per slot
     score = _folded("score")  # (B, Hk, cap) float32 accumulated score
@@ -117,6 +120,8 @@ class H2OKVCache:
         self._slot, self._meta_pending = None, False
         if L == 1 and self._n > self.max_size:
             self._compact()  # the prompt is over (prefill_compact="prompt")
+        if L == 1 and self._n >= self.max_size and self._batched():
+            self._evict_batch()  # room for the next evict_batch decode tokens
         if L == 1 and self._n >= self.max_size and self._victim is not None:
             # The fused step picked this victim and writes the slot's metadata.
             self._slot, self._meta_pending = self._victim, True
@@ -398,7 +403,7 @@ class H2OKVCache:
     def groupable(self) -> bool:
         """Whether this cache's evicting decode steps can join a StepGroup."""
         return (self.group_steps and self.window_size is None and self.use_fused_step
-                and getattr(self.kv, "group_kind", None) is not None)
+                and not self._batched() and getattr(self.kv, "group_kind", None) is not None)
 
     def _group_step(self, queries, mask, sinks) -> bool:
         # The evicting steady state: the token went into a victim slot of a
@@ -478,6 +483,28 @@ class H2OKVCache:
         self._positions, self._score, self._count = res.positions, res.score, res.count
         self._victim = res.victim if self._n >= self.max_size else None
         self._slot, self._meta_pending, self._pending = None, False, False
+
+    # --- batched eviction (config.evict_batch > 1) -------------------------------
+    def _batched(self) -> bool:
+        return self.batch_eviction and self.config.evict_batch > 1
+
+    def _evict_batch(self):
+        """Evict ``evict_batch`` tokens of a full cache at once; the kept ones go
+        first, in position order, and the buffers keep their capacity, so the
+        next decode tokens append (slice updates) until the cache is full again."""
+        if self._queue.items:
+            self._fold_queue()  # the decision reads every queued query's scores
+        self._leave_group()
+        n = self._n
+        keep = n - self.config.evict_batch
+        pri, pos = self._priority(self.offset + 1)  # as the per-step victim choice
+        slots = policy.select_keep(pri, pos, keep)
+        # The tail repeats kept slots only to keep the capacity; it is free.
+        self._gather(mx.concatenate([slots, slots[..., : n - keep]], axis=-1))
+        self._score[..., keep:] = 0.0  # appended tokens start unscored
+        self._count[..., keep:] = 0.0
+        self._n = keep
+        self.evicted += n - keep
 
     def _compact(self):
         pri, pos = self._priority(self.offset)

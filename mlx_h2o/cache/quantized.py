@@ -144,6 +144,7 @@ class MixedPrecisionH2OKVCache(QuantizedH2OKVCache):
 
     storage_cls = MixedKV
     fold_on_gpu = False  # an eviction here also moves a token between zones
+    batch_eviction = False  # likewise (its storage's gather is per zone)
 
     @staticmethod
     def _check_quant(quant, config):

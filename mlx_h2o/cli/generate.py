@@ -48,6 +48,10 @@ def add_h2o_args(parser: argparse.ArgumentParser) -> None:
                        help="Compact an overflowing prompt after each prefill chunk "
                        "('chunk') or once, at the first decode step, scored by the last "
                        f"chunk ('prompt'; default: {_DEFAULTS['prefill_compact']})")
+    group.add_argument("--h2o-evict-batch", type=int, default=None,
+                       help="A full cache evicts this many tokens at once, then appends "
+                       "(sliding-window speed; 1 = per-step H2O; default: "
+                       f"{_DEFAULTS['evict_batch']})")
     group.add_argument("--h2o-layer-budget", default="auto", metavar="{auto,uniform,PATH}",
                        help="Share the budget between layers: 'auto' = the shipped layer "
                        "profile of a packaged model, else uniform; 'uniform'; or a "
@@ -80,7 +84,8 @@ def h2o_config_from_args(args) -> Optional[H2OConfig]:
         return None
     options = dict(score=args.h2o_score, prefill_window=args.h2o_prefill_window,
                    prefill_pool=args.h2o_prefill_pool,
-                   prefill_compact=args.h2o_prefill_compact)
+                   prefill_compact=args.h2o_prefill_compact,
+                   evict_batch=args.h2o_evict_batch)
     return H2OConfig(
         max_size=args.h2o_max_size, sink_size=args.h2o_sink_size,
         heavy_budget=args.h2o_heavy_budget, recent_budget=args.h2o_recent_budget,
