@@ -63,6 +63,33 @@ def test_matches_float64_simulation(seed, max_size, sink, heavy, batch):
             assert got[t][h].tolist() == want[t], f"head {h}, step {t}"
 
 
+def test_decode_attends_lingering_slots():
+    """After a batch eviction, decode steps attend the kept tokens, the new ones
+    and the evicted tokens not yet overwritten (float64 reference); a masked
+    step attends only the kept and new ones."""
+    cfg = H2OConfig(max_size=12, sink_size=1, heavy_budget=6, evict_batch=5)
+    rng = np.random.default_rng(3)
+    ks, vs = rng.standard_normal((2, 16, HK, D))
+    qs = rng.standard_normal((16, HQ, D))
+    cache = H2OKVCache(cfg)
+    for t in range(16):
+        keys, values = cache.update_and_fetch(*(mx.array(a[t][None, :, None].astype(np.float32))
+                                                for a in (ks, vs)))
+        q = mx.array(qs[t][None, :, None].astype(np.float32))
+        mask = mx.ones((1, 1, 1, cache.size()), mx.bool_) if t == 15 else None
+        out = np.array(cache.h2o_attention(q, keys, values, scale=1.0, mask=mask))[0, :, 0]
+        lingering = 12 <= t < 15  # the eviction came at token 12; t = 15 is masked
+        seen = np.array(cache.positions[0])[:, : 12 if lingering else cache.size()]
+        if t >= 12:  # after the eviction at token 12: 5 - (t - 11) lingering slots
+            assert cache.size() == 7 + t - 11 and seen.shape[-1] == (12 if t < 15 else 11)
+        for h in range(HK):
+            k, v = ks[seen[h], h], vs[seen[h], h]  # (n, D)
+            g = qs[t, h * 2:(h + 1) * 2] @ k.T
+            p = np.exp(g - g.max(-1, keepdims=True))
+            want = (p / p.sum(-1, keepdims=True)) @ v
+            np.testing.assert_allclose(out[h * 2:(h + 1) * 2], want, rtol=1e-4, atol=1e-5)
+
+
 def check_invariants(cache, seen, cfg):
     pos = np.array(cache.positions[..., : cache.size()])
     assert cache.offset == seen

@@ -95,6 +95,9 @@ class H2OKVCache:
         self.token_bytes = 0  # dense K+V bytes of one token (all sequences, heads)
         self.evicted = 0  # tokens evicted per (sequence, KV head)
         self._n = 0  # slots in use
+        # Slots n..capacity hold tokens a batch eviction dropped (evict_batch):
+        # decode steps attend them until new tokens overwrite them.
+        self._lingering = False
         self._pending = False
         self._victim = None  # (B, Hk, 1, D) next victim, from the fused step
         self._slot = None  # (B, Hk, 1[, D]) slot this step's token overwrote
@@ -140,6 +143,10 @@ class H2OKVCache:
         self._victim = None
         self.offset += L
         self._pending = True
+        if self._lazy and self._lingering:
+            # Evicted tokens not yet overwritten stay visible: the whole buffer,
+            # as RotatingKVCache returns it (no slice nodes).
+            return self.kv.fetch(self.kv.capacity)
         return self.kv.fetch(self._n)
 
     def h2o_attention(self, queries, keys, values, *, scale, mask=None, sinks=None):
@@ -147,6 +154,8 @@ class H2OKVCache:
         lazy, self._lazy = self._lazy, False
         if lazy and mask is None and sinks is None:
             return self._deferred_attention(queries, keys, values, scale)
+        if self._lingering and keys.shape[2] > self._n:  # only unmasked decode steps see them
+            keys, values = keys[..., : self._n, :], values[..., : self._n, :]
         if self._queue.items:
             self._fold_queue()  # what follows reads the metadata (backing fields)
         if self._group is not None:
@@ -282,6 +291,7 @@ class H2OKVCache:
     @state.setter
     def state(self, v):
         self._victim, self._slot, self._meta_pending = None, None, False
+        self._lingering = False
         self._queue.take()
         if not v:
             self.kv = self.storage_cls()
@@ -341,6 +351,7 @@ class H2OKVCache:
         step, cap, n = self.config.step, self.max_size, self._n
         # Grow in steps up to max_size; a chunk past the budget gets exact room.
         size = min(-(-need // step) * step, cap) if need <= cap else need
+        self._lingering = False
         self.kv.resize(n, size, keys, values)
         shape = (*keys.shape[:2], size)
         self.positions = resize_slots(self.positions, n, shape, mx.int32)
@@ -489,22 +500,23 @@ class H2OKVCache:
         return self.batch_eviction and self.config.evict_batch > 1
 
     def _evict_batch(self):
-        """Evict ``evict_batch`` tokens of a full cache at once; the kept ones go
-        first, in position order, and the buffers keep their capacity, so the
-        next decode tokens append (slice updates) until the cache is full again."""
+        """Evict ``evict_batch`` tokens of a full cache at once: the kept ones go
+        first, in position order, the evicted ones after them, and the next
+        decode tokens append (slice updates) over the evicted ones, which
+        decode steps still attend until then (the whole buffer, as
+        RotatingKVCache: no slice per step)."""
         if self._queue.items:
             self._fold_queue()  # the decision reads every queued query's scores
         self._leave_group()
         n = self._n
         keep = n - self.config.evict_batch
         pri, pos = self._priority(self.offset + 1)  # as the per-step victim choice
-        slots = policy.select_keep(pri, pos, keep)
-        # The tail repeats kept slots only to keep the capacity; it is free.
-        self._gather(mx.concatenate([slots, slots[..., : n - keep]], axis=-1))
+        self._gather(policy.keep_then_evict(pri, pos, keep))
         self._score[..., keep:] = 0.0  # appended tokens start unscored
         self._count[..., keep:] = 0.0
         self._n = keep
         self.evicted += n - keep
+        self._lingering = self._may_defer() and n == self.kv.capacity
 
     def _compact(self):
         pri, pos = self._priority(self.offset)
@@ -513,7 +525,7 @@ class H2OKVCache:
 
     def _gather(self, slots):
         """Keep only ``slots`` (B, Hk, k), in that order."""
-        self._victim = None
+        self._victim, self._lingering = None, False
         n = self._n
         self.kv.gather(slots, n)
         self.positions = take_slots(self.positions, slots, n)
