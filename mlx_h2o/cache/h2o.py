@@ -10,6 +10,7 @@ from .. import policy
 from ..config import H2OConfig, config_from_dict, config_to_dict
 from ..kernels import fold_step_supported, gpu_backend, h2o_fold_step, h2o_step_supported
 from ..kernels import make_plan
+from .batch import batch_event
 from .deferred import DEFERRABLE, ScoreQueue, batch_fold
 from .storage import DenseKV, fresh_slot, resize_slots, take_slots
 
@@ -505,18 +506,30 @@ class H2OKVCache:
         decode tokens append (slice updates) over the evicted ones, which
         decode steps still attend until then (the whole buffer, as
         RotatingKVCache: no slice per step)."""
-        if self._queue.items:
-            self._fold_queue()  # the decision reads every queued query's scores
         self._leave_group()
         n = self._n
         keep = n - self.config.evict_batch
-        pri, pos = self._priority(self.offset + 1)  # as the per-step victim choice
-        self._gather(policy.keep_then_evict(pri, pos, keep))
-        self._score[..., keep:] = 0.0  # appended tokens start unscored
-        self._count[..., keep:] = 0.0
+        if type(self.kv) is DenseKV and self.window_size is None and n == self.kv.capacity:
+            self._batch_event(keep)  # one compiled graph (cache/batch.py)
+        else:
+            if self._queue.items:
+                self._fold_queue()  # the decision reads every queued query's scores
+            pri, pos = self._priority(self.offset + 1)  # as the per-step victim choice
+            self._gather(policy.keep_then_evict(pri, pos, keep))
+            self._score[..., keep:] = 0.0  # appended tokens start unscored
+            self._count[..., keep:] = 0.0
         self._n = keep
         self.evicted += n - keep
         self._lingering = self._may_defer() and n == self.kv.capacity
+
+    def _batch_event(self, keep):
+        items, kv = self._queue.take(), self.kv
+        queries = [it.queries for it in items] if items else None
+        kv.keys, kv.values, self._positions, self._score, self._count = batch_event(
+            queries, kv.keys, kv.values, self._positions, self._score, self._count,
+            self.offset, n0=items[0].n if items else 0,
+            scale=items[0].scale if items else 1.0, keep=keep, config=self.config)
+        self._victim = None
 
     def _compact(self):
         pri, pos = self._priority(self.offset)
