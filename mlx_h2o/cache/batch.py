@@ -1,18 +1,16 @@
-"""Batched eviction (H2OConfig.evict_batch): the batch event as one compiled graph.
+"""Batched eviction (H2OConfig.evict_batch): the batch event of a dense cache.
 
 A full cache with ``evict_batch`` > 1 evicts that many tokens at once, then
 appends decode tokens until it is full again. The event folds the queued decode
-queries' scores (cache/deferred.py), ranks the slots (policy) and reorders K,
-V and the metadata: kept slots first in position order, evicted ones after
-them. Built op by op that is ~70 MLX ops per layer, each ~5-9 us of host time
-on the H100's host (docs/GPU.md); ``mx.compile`` fuses the elementwise chains
-and replays the graph, so the event costs a few kernel launches per layer.
+queries' scores (as cache/deferred.py), ranks the slots (policy) and reorders
+K, V and the metadata in one pass: kept slots first in position order, evicted
+ones after them (decode steps attend them until overwritten).
 
-Only arrays and values fixed in the steady state enter the graph: the token
-count ``offset`` is an array input (a Python int would retrace every event).
+Not compiled: ``mx.compile`` of this graph measured no faster on the H100
+(decode 0.945 / 0.952 of RotatingKVCache vs 1.028 op by op, within that host's
+noise) and its first event JIT-compiled fused kernels for 12-25 s
+(docs/GPU.md, "Session 10").
 """
-
-from functools import partial
 
 import mlx.core as mx
 
@@ -32,47 +30,28 @@ def _fold(queries, keys, score, count, n0: int, scale: float):
     return score + step, count + visible.sum(axis=0).astype(mx.float32)
 
 
-def _event(queries, keys, values, positions, score, count, offset, *, n0, scale, keep,
-           mode, sink, recent, pinned):
-    """(keys, values, positions, score, count) reordered: the ``keep`` best slots
-    in position order, then the evicted ones; scores of the freed tail zeroed.
-    ``queries`` None: no queued queries (scores already folded)."""
-    n = positions.shape[-1]
+def batch_event(queries, keys, values, positions, score, count, offset: int, *, n0: int,
+                scale: float, keep: int, config):
+    """One batch eviction over full buffers (B, Hk, n[, D]): (keys, values,
+    positions, score, count) with the ``keep`` best slots first in position
+    order, then the evicted ones; the freed tail's scores zeroed.
+
+    ``queries``: the queue's T (B, Hq, 1, D) arrays (query t sees slots
+    < n0 + t; their tokens sit in the last T slots), or None when the scores
+    are folded already. ``offset``: tokens seen before the incoming one."""
+    cfg, n = config, positions.shape[-1]
     if queries is not None:
         queries = mx.concatenate(queries, axis=2)  # (B, Hq, T, D)
         T = queries.shape[2]
-        # The queued tokens sit in the last T slots: positions offset - T ...
-        slot = mx.arange(n)
+        slot = mx.arange(n)  # the queued tokens' positions: offset - T ... offset - 1
         positions = mx.where(slot >= n - T, offset - n + slot, positions).astype(mx.int32)
         score, count = _fold(queries, keys, score, count, n0, scale)
-    protect = policy.protected(positions, offset + 1, sink, recent, pinned)
-    pri = policy.priority(policy.eviction_score(mode, score, count), protect, positions,
+    protect = policy.protected(positions, offset + 1, cfg.sink_size, cfg.recent_budget,
+                               cfg.pinned)
+    pri = policy.priority(policy.eviction_score(cfg.score, score, count), protect, positions,
                           offset + 1)
     order = policy.keep_then_evict(pri, positions, keep)
     take = lambda a: mx.take_along_axis(a, order if a.ndim == 3 else order[..., None], 2)  # noqa
     fresh = mx.arange(n) < keep
     return (take(keys), take(values), take(positions),
             mx.where(fresh, take(score), 0.0), mx.where(fresh, take(count), 0.0))
-
-
-@partial(mx.compile)
-def _event_with_queue(queries, keys, values, positions, score, count, offset, **kw):
-    return _event(queries, keys, values, positions, score, count, offset, **kw)
-
-
-@partial(mx.compile)
-def _event_folded(keys, values, positions, score, count, offset, **kw):
-    return _event(None, keys, values, positions, score, count, offset, **kw)
-
-
-def batch_event(queries, keys, values, positions, score, count, offset: int, *, n0: int,
-                scale: float, keep: int, config):
-    """One batch eviction over full buffers (B, Hk, n[, D]); ``queries``: the
-    queue's T (B, Hq, 1, D) arrays, or None. ``offset``: tokens seen before the incoming one."""
-    cfg = config
-    kw = dict(n0=n0, scale=scale, keep=keep, mode=cfg.score, sink=cfg.sink_size,
-              recent=cfg.recent_budget, pinned=cfg.pinned)
-    off = mx.array(offset, dtype=mx.int32)
-    if queries is None:
-        return _event_folded(keys, values, positions, score, count, off, **kw)
-    return _event_with_queue(queries, keys, values, positions, score, count, off, **kw)
