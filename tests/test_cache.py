@@ -25,9 +25,14 @@ def kept_positions(cache):
 
 
 def check_invariants(cache, seen, cfg):
+    assert cache.size() == min(seen, cfg.max_size)
+    check_kept(cache, seen, cfg)
+
+
+def check_kept(cache, seen, cfg):
+    """offset, unique positions in range, sinks / recent window / pinned kept."""
     pos = kept_positions(cache)
-    assert cache.offset == seen
-    assert cache.size() == min(seen, cfg.max_size) == pos.shape[-1]
+    assert cache.offset == seen and cache.size() == pos.shape[-1]
     must = set(range(min(cfg.sink_size, seen))) | set(range(max(0, seen - cfg.recent_budget), seen))
     for s, e in cfg.pinned:
         must |= set(range(s, min(e, seen)))

@@ -13,6 +13,7 @@ from mlx_h2o import H2OConfig, H2OKVCache, make_h2o_cache
 from mlx_h2o.cache import QuantConfig, quantized_cache_type
 from mlx_h2o.config import config_from_dict, config_to_dict, with_max_size
 
+from test_cache import check_kept
 from tiny_models import tiny_llama, tiny_qwen3
 
 D, HQ, HK = 8, 4, 2
@@ -91,16 +92,10 @@ def test_decode_attends_lingering_slots():
 
 
 def check_invariants(cache, seen, cfg):
-    pos = np.array(cache.positions[..., : cache.size()])
-    assert cache.offset == seen
+    """test_cache's invariants, with the size between two batch events."""
     low = cfg.max_size - cfg.evict_batch + 1 if seen > cfg.max_size else seen
-    assert min(low, seen) <= cache.size() <= max(cfg.max_size, 1)
-    must = set(range(min(cfg.sink_size, seen))) | set(range(max(0, seen - cfg.recent_budget), seen))
-    for row in pos.reshape(-1, pos.shape[-1]):
-        assert len(set(row.tolist())) == len(row), "positions are unique"
-        assert row.min() >= 0 and row.max() < seen
-        assert must <= set(row.tolist()), "sinks and the recent window are kept"
-    assert cache.evicted == seen - cache.size()
+    assert low <= cache.size() <= cfg.max_size
+    check_kept(cache, seen, cfg)
 
 
 configs = st.builds(
