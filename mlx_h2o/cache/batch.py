@@ -12,22 +12,39 @@ noise) and its first event JIT-compiled fused kernels for 12-25 s
 (docs/GPU.md, "Session 10").
 """
 
+from functools import lru_cache
+
 import mlx.core as mx
 
 from .. import policy
 
 
-def _fold(queries, keys, score, count, n0: int, scale: float):
+@lru_cache(maxsize=32)
+def _layout(n: int, T: int, n0: int, keep: int):
+    """Index arrays of an event's shape (the same every event in the steady
+    state: built once, not ~12 ops per layer and event). Query t of the queue
+    sees slots < n0 + t; the queued tokens sit in the last T slots."""
+    slot = mx.arange(n)
+    visible = slot[None] < (n0 + mx.arange(T))[:, None]  # (T, n)
+    arrays = (mx.where(visible, 0.0, -mx.inf),  # additive mask of the logits
+              visible.sum(axis=0).astype(mx.float32),  # queries that saw each slot
+              slot >= n - T,  # the queued tokens' slots
+              (slot - n).astype(mx.int32),  # their position - offset
+              slot < keep)  # slots that stay
+    mx.eval(arrays)
+    return arrays
+
+
+def _fold(queries, keys, score, count, bias, seen, scale: float):
     """The queued queries' summed attention (deferred.batch_fold): queries
-    (B, Hq, T, D), query t sees slots < n0 + t."""
+    (B, Hq, T, D), ``bias`` (T, n) the additive visibility mask."""
     B, Hq, T, D = queries.shape
     Hk, n = keys.shape[1], keys.shape[2]
-    visible = mx.arange(n)[None] < (n0 + mx.arange(T))[:, None]  # (T, n)
     q = queries.astype(mx.float32).reshape(B, Hk, (Hq // Hk) * T, D)
     logits = (q @ keys.astype(mx.float32).swapaxes(-1, -2)) * scale
-    logits = logits.reshape(B, Hk, Hq // Hk, T, n) + mx.where(visible, 0.0, -mx.inf)
+    logits = logits.reshape(B, Hk, Hq // Hk, T, n) + bias
     step = mx.softmax(logits, axis=-1).sum(axis=(2, 3)) / (Hq // Hk)
-    return score + step, count + visible.sum(axis=0).astype(mx.float32)
+    return score + step, count + seen
 
 
 def batch_event(queries, keys, values, positions, score, count, offset: int, *, n0: int,
@@ -40,18 +57,17 @@ def batch_event(queries, keys, values, positions, score, count, offset: int, *, 
     < n0 + t; their tokens sit in the last T slots), or None when the scores
     are folded already. ``offset``: tokens seen before the incoming one."""
     cfg, n = config, positions.shape[-1]
+    T = 0 if queries is None else len(queries)
+    bias, seen, queued, rel, fresh = _layout(n, T, n0, keep)
     if queries is not None:
-        queries = mx.concatenate(queries, axis=2)  # (B, Hq, T, D)
-        T = queries.shape[2]
-        slot = mx.arange(n)  # the queued tokens' positions: offset - T ... offset - 1
-        positions = mx.where(slot >= n - T, offset - n + slot, positions).astype(mx.int32)
-        score, count = _fold(queries, keys, score, count, n0, scale)
+        positions = mx.where(queued, rel + offset, positions)
+        score, count = _fold(mx.concatenate(queries, axis=2), keys, score, count, bias, seen,
+                             scale)
     protect = policy.protected(positions, offset + 1, cfg.sink_size, cfg.recent_budget,
                                cfg.pinned)
     pri = policy.priority(policy.eviction_score(cfg.score, score, count), protect, positions,
                           offset + 1)
     order = policy.keep_then_evict(pri, positions, keep)
     take = lambda a: mx.take_along_axis(a, order if a.ndim == 3 else order[..., None], 2)  # noqa
-    fresh = mx.arange(n) < keep
     return (take(keys), take(values), take(positions),
             mx.where(fresh, take(score), 0.0), mx.where(fresh, take(count), 0.0))

@@ -117,6 +117,8 @@ class H2OKVCache:
         if self._pending:
             name = f" (model: {self.model_name})" if self.model_name else ""
             raise RuntimeError(NO_SCORES.format(model=name))
+        if self._lingering and keys.shape[2] == 1 and self._n < self.kv.capacity:
+            return self._append_lingering(keys, values)
         if self._group is not None and self._group.waits_for(self):
             self._group.flush()  # a new token: last token's folds, every member's victim
         L = keys.shape[2]
@@ -521,6 +523,17 @@ class H2OKVCache:
         self._n = keep
         self.evicted += n - keep
         self._lingering = self._may_defer() and n == self.kv.capacity
+
+    def _append_lingering(self, keys, values):
+        """Between two batch events: what the general path does for a decode
+        token (append, queue its scores, attend the whole buffer), without its
+        checks; this step runs every token of every layer (host bound, docs/GPU.md)."""
+        n = self._n
+        self.kv.write(n, keys, values)
+        self._n, self.offset = n + 1, self.offset + 1
+        self._slot = self._victim = None
+        self._lazy = self._pending = self._meta_pending = True
+        return self.kv.keys, self.kv.values
 
     def _batch_event(self, keep):
         items, kv = self._queue.take(), self.kv
