@@ -26,6 +26,9 @@ def test_h2o_flags_build_the_config():
     assert cfg.score == "normalized" and cfg.prefill_window == 0
     assert h2o_config_from_args(parse()) == H2OConfig(max_size=256)  # library defaults
     assert h2o_config_from_args(parse("--no-h2o")) is None
+    assert h2o_config_from_args(parse("--h2o-evict-batch", "16")).evict_batch == 16
+    with pytest.raises(ValueError, match="evict_batch"):  # more than the 128 heavy slots
+        h2o_config_from_args(parse("--h2o-evict-batch", "129"))
     assert parse().h2o_layer_budget == "auto"
     assert parse("--h2o-layer-budget", "uniform").h2o_layer_budget == "uniform"
     # Every mlx_lm.generate flag is still there.
