@@ -10,11 +10,18 @@ extension H2OConfig {
     /// `prefill_window`, `prefill_pool`); missing keys take the defaults.
     /// `prefill_compact` (Python writes it only when not "chunk") must be "chunk":
     /// the Swift cache compacts every prefill chunk that overflows the budget.
+    /// `evict_batch` (written only when not 1) must be 1: the Swift cache
+    /// evicts one token per decode step.
     public init(dictionary d: [String: Any]) throws {
         if let compact = d["prefill_compact"], compact as? String != "chunk" {
             throw H2OConfigError(
                 "prefill_compact=\(compact) is not supported by the Swift port; it compacts "
                     + "each prefill chunk that overflows the budget ('chunk')")
+        }
+        if let batch = d["evict_batch"], (batch as? Int) != 1 {
+            throw H2OConfigError(
+                "evict_batch=\(batch) is not supported by the Swift port; it evicts one "
+                    + "token per decode step (evict_batch=1)")
         }
         func int(_ key: String) throws -> Int? {
             guard let v = d[key], !(v is NSNull) else { return nil }

@@ -54,6 +54,11 @@ struct ConfigTests {
         }
         #expect(try H2OConfig(dictionary: ["max_size": 8, "prefill_compact": "chunk"])
             == H2OConfig(maxSize: 8))
+        // Neither is batched eviction (Python's evict_batch > 1).
+        #expect(throws: H2OConfigError.self) {
+            try H2OConfig(dictionary: ["max_size": 8, "evict_batch": 4])
+        }
+        #expect(try H2OConfig(dictionary: ["max_size": 8, "evict_batch": 1]) == H2OConfig(maxSize: 8))
         #expect(try ScoreMode(name: "attention_ema") == .attentionEma)
     }
 }
