@@ -130,15 +130,10 @@ def select_victim(pri: mx.array, positions: mx.array) -> mx.array:
 
 
 def keep_then_evict(pri: mx.array, positions: mx.array, k: int) -> mx.array:
-    """(B, n_kv_heads, n) every slot: the k kept ones (select_keep) in position
-    order, then the evicted ones, lowest first."""
-    keys = order_keys(pri, positions)
-    order = mx.argsort(keys, axis=-1)
-    n = keys.shape[-1]
-    top = order[..., n - k :]
-    kept = mx.take_along_axis(top, mx.argsort(mx.take_along_axis(positions, top, axis=-1),
-                                              axis=-1), axis=-1)
-    return mx.concatenate([kept, order[..., : n - k]], axis=-1)
+    """(B, n_kv_heads, n) every slot by descending (priority, position): the
+    first k are the kept ones (select_keep's set; slot order is free, masks
+    come from positions), the evicted ones follow."""
+    return mx.argsort(order_keys(pri, positions), axis=-1)[..., ::-1]
 
 
 def select_keep(pri: mx.array, positions: mx.array, k: int) -> mx.array:

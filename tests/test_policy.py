@@ -105,3 +105,23 @@ def test_config_derives_and_validates():
             H2OConfig(**kwargs)
     with pytest.raises(TypeError):
         H2OConfig(max_size=10.5)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_keep_then_evict_splits_as_select_keep(seed):
+    """Every slot once; the first k are select_keep's slots (ties in score
+    broken by position, as there), the rest the evicted ones, lowest last."""
+    rng = np.random.default_rng(seed)
+    n, k = 37, 20
+    score = rng.integers(0, 6, (2, 3, n)).astype(np.float32)  # many ties
+    score[..., :3] = np.inf  # protected
+    pos = np.stack([rng.permutation(100)[:n] for _ in range(6)]).reshape(2, 3, n)
+    pri, p = mx.array(score), mx.array(pos.astype(np.int32))
+    order = np.array(policy.keep_then_evict(pri, p, k))
+    keep = np.array(policy.select_keep(pri, p, k))
+    for b in range(2):
+        for h in range(3):
+            assert sorted(order[b, h]) == list(range(n))
+            assert set(order[b, h, :k]) == set(keep[b, h])
+            rank = [(score[b, h, s], pos[b, h, s]) for s in order[b, h]]
+            assert rank == sorted(rank, reverse=True)

@@ -508,7 +508,7 @@ class H2OKVCache:
 
     def _evict_batch(self):
         """Evict ``evict_batch`` tokens of a full cache at once: the kept ones go
-        first, in position order, the evicted ones after them, and the next
+        first (best first), the evicted ones after them, and the next
         decode tokens append (slice updates) over the evicted ones, which
         decode steps still attend until then (the whole buffer, as
         RotatingKVCache: no slice per step)."""
