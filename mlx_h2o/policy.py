@@ -130,10 +130,12 @@ def select_victim(pri: mx.array, positions: mx.array) -> mx.array:
 
 
 def keep_then_evict(pri: mx.array, positions: mx.array, k: int) -> mx.array:
-    """(B, n_kv_heads, n) every slot by descending (priority, position): the
-    first k are the kept ones (select_keep's set; slot order is free, masks
-    come from positions), the evicted ones follow."""
-    return mx.argsort(order_keys(pri, positions), axis=-1)[..., ::-1]
+    """(B, n_kv_heads, n) every slot: the k kept ones (select_keep's set), best
+    first, then the evicted ones, worst first (slot order is free: masks come
+    from positions; a batch eviction overwrites the worst evicted slot first)."""
+    order = mx.argsort(order_keys(pri, positions), axis=-1)  # ascending
+    n = order.shape[-1]
+    return mx.concatenate([order[..., n - k :][..., ::-1], order[..., : n - k]], axis=-1)
 
 
 def select_keep(pri: mx.array, positions: mx.array, k: int) -> mx.array:

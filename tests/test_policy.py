@@ -110,7 +110,7 @@ def test_config_derives_and_validates():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_keep_then_evict_splits_as_select_keep(seed):
     """Every slot once; the first k are select_keep's slots (ties in score
-    broken by position, as there), the rest the evicted ones, lowest last."""
+    broken by position, as there), best first; then the evicted, worst first."""
     rng = np.random.default_rng(seed)
     n, k = 37, 20
     score = rng.integers(0, 6, (2, 3, n)).astype(np.float32)  # many ties
@@ -124,4 +124,5 @@ def test_keep_then_evict_splits_as_select_keep(seed):
             assert sorted(order[b, h]) == list(range(n))
             assert set(order[b, h, :k]) == set(keep[b, h])
             rank = [(score[b, h, s], pos[b, h, s]) for s in order[b, h]]
-            assert rank == sorted(rank, reverse=True)
+            assert rank[:k] == sorted(rank[:k], reverse=True)
+            assert rank[k:] == sorted(rank[k:]) and rank[k] < rank[k - 1]
