@@ -74,12 +74,14 @@ class H2OConfig:
 
     ``evict_batch`` > 1: a full cache evicts that many tokens at once (the
     lowest-ranked heavy-hitter candidates, as ``max_size - evict_batch``
-    would keep them) and the next decode tokens are appended until it is full
-    again. The steady decode step is then mlx-lm's ``KVCache`` step (two slice
-    updates and MLX's SDPA; scores folded in batches) instead of a victim
-    write and a score fold every token: the speed of a sliding window, for
-    ``evict_batch / 2`` fewer heavy hitters on average. 1 (the default) is
-    per-step H2O. At most ``heavy_budget`` minus the pinned positions.
+    would keep them) and the next decode tokens are appended over them until
+    it is full again; decode steps still attend the evicted tokens not yet
+    overwritten. The steady decode step is then RotatingKVCache's (two slice
+    updates, MLX's SDPA over the whole buffer; scores folded in batches)
+    instead of a victim write and a score fold every token, for
+    ``evict_batch / 2`` fewer scored heavy hitters on average (docs/GPU.md,
+    docs/RESULTS.md: session 10). 1 (the default) is per-step H2O. At most
+    ``heavy_budget`` minus the pinned positions.
     """
 
     max_size: int
