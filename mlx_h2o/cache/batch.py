@@ -19,7 +19,7 @@ import mlx.core as mx
 from .. import policy
 
 
-@lru_cache(maxsize=256)  # staggered first events: one shape per layer
+@lru_cache(maxsize=32)
 def _layout(n: int, T: int, n0: int, keep: int):
     """Index arrays of an event's shape (the same every event in the steady
     state: built once, not ~12 ops per layer and event). Query t of the queue

@@ -99,7 +99,6 @@ class H2OKVCache:
         # Slots n..capacity hold tokens a batch eviction dropped (evict_batch):
         # decode steps attend them until new tokens overwrite them.
         self._lingering = False
-        self._batch_skew = 0  # set_fold_phase: the first batch event evicts fewer
         self._pending = False
         self._victim = None  # (B, Hk, 1, D) next victim, from the fused step
         self._slot = None  # (B, Hk, 1[, D]) slot this step's token overwrote
@@ -386,11 +385,13 @@ class H2OKVCache:
 
     # --- deferred scores (cache/deferred.py) ------------------------------------
     def set_fold_phase(self, phase: int) -> None:
-        """Stagger this layer's batched score folds and, with ``evict_batch`` > 1,
-        its batch evictions (make_h2o_cache: layer index): the layers' events
-        then fall on different tokens, not all on one slow token."""
+        """Stagger this layer's batched score folds (make_h2o_cache: layer index).
+
+        Batch evictions (``evict_batch``) are not staggered: every layer's
+        event falls on the same token, so the other tokens' graphs stay
+        identical (MLX's CUDA backend caches graphs by topology; staggered
+        events measured 0.78-0.90 of Rotating against 0.90-1.03, docs/GPU.md)."""
         self._queue = ScoreQueue(self.defer_steps, phase)
-        self._batch_skew = phase
 
     def _may_defer(self) -> bool:
         # Sliding-window layers mask by position and EMA modes are not sums:
@@ -514,8 +515,7 @@ class H2OKVCache:
         RotatingKVCache: no slice per step)."""
         self._leave_group()
         n = self._n
-        k, skew, self._batch_skew = self.config.evict_batch, self._batch_skew, 0
-        keep = n - (k - skew % k)  # the first event evicts fewer (staggered layers)
+        keep = n - self.config.evict_batch
         if type(self.kv) is DenseKV and self.window_size is None and n == self.kv.capacity:
             self._batch_event(keep)  # one pass (cache/batch.py)
         else:
