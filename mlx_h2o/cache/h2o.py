@@ -117,8 +117,9 @@ class H2OKVCache:
         if self._pending:
             name = f" (model: {self.model_name})" if self.model_name else ""
             raise RuntimeError(NO_SCORES.format(model=name))
-        if self._lingering and keys.shape[2] == 1 and self._n < self.kv.capacity:
-            return self._append_lingering(keys, values)
+        if keys.shape[2] == 1 and self._n < self.kv.capacity and (
+                self._lingering or self._fills_deferred()):
+            return self._append_decode(keys, values)
         if self._group is not None and self._group.waits_for(self):
             self._group.flush()  # a new token: last token's folds, every member's victim
         L = keys.shape[2]
@@ -529,16 +530,23 @@ class H2OKVCache:
         self.evicted += n - keep
         self._lingering = self._may_defer() and n == self.kv.capacity
 
-    def _append_lingering(self, keys, values):
-        """Between two batch events: what the general path does for a decode
-        token (append, queue its scores, attend the whole buffer), without its
-        checks; this step runs every token of every layer (host bound, docs/GPU.md)."""
+    def _fills_deferred(self) -> bool:
+        """A decode token below the budget whose scores go to the queue."""
+        return (self._n < self.max_size and self._may_defer()
+                and (self._group is None or not self._group.waits_for(self)))
+
+    def _append_decode(self, keys, values):
+        """What the general path does for a decode token that appends and
+        queues its scores (below the budget, or between two batch events),
+        without its checks: this step runs every token of every layer, and
+        decode is host bound on the GPU (docs/GPU.md)."""
         n = self._n
         self.kv.write(n, keys, values)
         self._n, self.offset = n + 1, self.offset + 1
         self._slot = self._victim = None
         self._lazy = self._pending = self._meta_pending = True
-        return self.kv.keys, self.kv.values
+        # Between batch events the evicted tokens left stay visible: the whole buffer.
+        return self.kv.fetch(self.kv.capacity if self._lingering else n + 1)
 
     def _batch_event(self, keep):
         items, kv = self._queue.take(), self.kv
