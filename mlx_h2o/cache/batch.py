@@ -4,7 +4,8 @@ A full cache with ``evict_batch`` > 1 evicts that many tokens at once, then
 appends decode tokens until it is full again. The event folds the queued decode
 queries' scores (as cache/deferred.py), ranks the slots (policy) and reorders
 K, V and the metadata in one pass: kept slots first (best first), evicted
-ones after them (decode steps attend them until overwritten).
+ones after them (worst first: the next appends overwrite those first;
+decode steps attend the rest until then).
 
 Not compiled: ``mx.compile`` of this graph measured no faster on the H100
 (decode 0.945 / 0.952 of RotatingKVCache vs 1.028 op by op, within that host's
@@ -51,7 +52,7 @@ def batch_event(queries, keys, values, positions, score, count, offset: int, *, 
                 scale: float, keep: int, config):
     """One batch eviction over full buffers (B, Hk, n[, D]): (keys, values,
     positions, score, count) with the ``keep`` best slots first, best first,
-    then the evicted ones; the freed tail's scores zeroed.
+    then the evicted ones, worst first; the freed tail's scores zeroed.
 
     ``queries``: the queue's T (B, Hq, 1, D) arrays (query t sees slots
     < n0 + t; their tokens sit in the last T slots), or None when the scores
