@@ -2,7 +2,7 @@
 
 A full cache with ``evict_batch`` > 1 evicts that many tokens at once, then
 appends decode tokens until it is full again. The event folds the queued decode
-queries' scores (as cache/deferred.py), ranks the slots (policy) and reorders
+queries' scores (cache/deferred.py's fold_step), ranks the slots (policy) and reorders
 K, V and the metadata in one pass: kept slots first (best first), evicted
 ones after them (worst first: the next appends overwrite those first;
 decode steps attend the rest until then).
@@ -18,6 +18,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from .. import policy
+from .deferred import fold_step
 
 
 @lru_cache(maxsize=32)
@@ -36,18 +37,6 @@ def _layout(n: int, T: int, n0: int, keep: int):
     return arrays
 
 
-def _fold(queries, keys, score, count, bias, seen, scale: float):
-    """The queued queries' summed attention (deferred.batch_fold): queries
-    (B, Hq, T, D), ``bias`` (T, n) the additive visibility mask."""
-    B, Hq, T, D = queries.shape
-    Hk, n = keys.shape[1], keys.shape[2]
-    q = queries.astype(mx.float32).reshape(B, Hk, (Hq // Hk) * T, D)
-    logits = (q @ keys.astype(mx.float32).swapaxes(-1, -2)) * scale
-    logits = logits.reshape(B, Hk, Hq // Hk, T, n) + bias
-    step = mx.softmax(logits, axis=-1).sum(axis=(2, 3)) / (Hq // Hk)
-    return score + step, count + seen
-
-
 def batch_event(queries, keys, values, positions, score, count, offset: int, *, n0: int,
                 scale: float, keep: int, config):
     """One batch eviction over full buffers (B, Hk, n[, D]): (keys, values,
@@ -62,8 +51,8 @@ def batch_event(queries, keys, values, positions, score, count, offset: int, *, 
     bias, seen, queued, rel, fresh = _layout(n, T, n0, keep)
     if queries is not None:
         positions = mx.where(queued, rel + offset, positions)
-        score, count = _fold(mx.concatenate(queries, axis=2), keys, score, count, bias, seen,
-                             scale)
+        step = fold_step(mx.concatenate(queries, axis=2), keys, scale, bias)
+        score, count = score + step, count + seen
     protect = policy.protected(positions, offset + 1, cfg.sink_size, cfg.recent_budget,
                                cfg.pinned)
     pri = policy.priority(policy.eviction_score(cfg.score, score, count), protect, positions,

@@ -64,7 +64,8 @@ def batch_logits(items: List[QueuedQuery], keys: mx.array) -> Tuple[mx.array, mx
     Computed as the reference attention computes them: in float32 (float16 /
     bfloat16 values are exact in TF32 too), logits = (q . k) * scale.
     """
-    logits = _masked_logits(items, keys, _visible(items, keys.shape[2]))
+    bias = _bias(_visible(items, keys.shape[2]))
+    logits = masked_logits(_queries(items), keys, items[0].scale, bias)
     B, Hk, G, T, n = logits.shape
     logits = logits.reshape(B, Hk * G, T, n)
     return logits, mx.logsumexp(logits, axis=-1)
@@ -76,9 +77,25 @@ def batch_fold(items: List[QueuedQuery], keys: mx.array) -> Tuple[mx.array, mx.a
     averaged over each GQA group and summed over the queries, (B, n_kv_heads,
     n); and the number of queries that saw the slot, (n,). float32."""
     visible = _visible(items, keys.shape[2])
-    logits = _masked_logits(items, keys, visible)  # few passes over the largest array
-    step = mx.softmax(logits, axis=-1).sum(axis=(2, 3)) / logits.shape[2]
+    step = fold_step(_queries(items), keys, items[0].scale, _bias(visible))
     return step, visible.sum(axis=0).astype(mx.float32)
+
+
+def fold_step(queries: mx.array, keys: mx.array, scale: float, bias: mx.array) -> mx.array:
+    """(B, n_kv_heads, n): queries (B, n_heads, T, D)' softmax attention over
+    ``keys``, averaged over each GQA group and summed over the queries;
+    ``bias`` (T, n) is 0 where query t sees slot j, -inf elsewhere."""
+    logits = masked_logits(queries, keys, scale, bias)  # few passes over the largest array
+    return mx.softmax(logits, axis=-1).sum(axis=(2, 3)) / logits.shape[2]
+
+
+def masked_logits(queries: mx.array, keys: mx.array, scale: float, bias: mx.array) -> mx.array:
+    """(B, n_kv_heads, G, T, n) float32 logits plus ``bias`` (T, n)."""
+    B, Hq, T, D = queries.shape
+    Hk, n = keys.shape[1], keys.shape[2]
+    q = queries.astype(mx.float32).reshape(B, Hk, (Hq // Hk) * T, D)
+    logits = (q @ keys.astype(mx.float32).swapaxes(-1, -2)) * scale
+    return logits.reshape(B, Hk, Hq // Hk, T, n) + bias
 
 
 def _visible(items: List[QueuedQuery], n: int) -> mx.array:
@@ -86,11 +103,9 @@ def _visible(items: List[QueuedQuery], n: int) -> mx.array:
     return mx.arange(n)[None] < mx.array([it.n for it in items])[:, None]
 
 
-def _masked_logits(items: List[QueuedQuery], keys: mx.array, visible: mx.array) -> mx.array:
-    """(B, n_kv_heads, G, T, n) float32 logits; -inf where ``visible`` is False."""
-    q = mx.concatenate([it.queries for it in items], axis=2)
-    B, Hq, T, D = q.shape
-    Hk, n = keys.shape[1], keys.shape[2]
-    q = q.astype(mx.float32).reshape(B, Hk, (Hq // Hk) * T, D)
-    logits = (q @ keys.astype(mx.float32).swapaxes(-1, -2)) * items[0].scale
-    return logits.reshape(B, Hk, Hq // Hk, T, n) + mx.where(visible, 0.0, -mx.inf)
+def _bias(visible: mx.array) -> mx.array:
+    return mx.where(visible, 0.0, -mx.inf)
+
+
+def _queries(items: List[QueuedQuery]) -> mx.array:
+    return mx.concatenate([it.queries for it in items], axis=2)  # (B, n_heads, T, D)

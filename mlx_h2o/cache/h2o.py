@@ -147,11 +147,13 @@ class H2OKVCache:
         self._victim = None
         self.offset += L
         self._pending = True
-        if self._lazy and self._lingering:
-            # Evicted tokens not yet overwritten stay visible: the whole buffer,
-            # as RotatingKVCache returns it (no slice nodes).
-            return self.kv.fetch(self.kv.capacity)
-        return self.kv.fetch(self._n)
+        return self._fetch()
+
+    def _fetch(self):
+        """What this step attends. After a batch eviction, a deferred decode
+        step also sees the evicted tokens not yet overwritten: the whole
+        buffer, as RotatingKVCache returns it (no slice nodes)."""
+        return self.kv.fetch(self.kv.capacity if self._lazy and self._lingering else self._n)
 
     def h2o_attention(self, queries, keys, values, *, scale, mask=None, sinks=None):
         """Attention over the fetched keys/values that folds in this step's scores."""
@@ -545,8 +547,7 @@ class H2OKVCache:
         self._n, self.offset = n + 1, self.offset + 1
         self._slot = self._victim = None
         self._lazy = self._pending = self._meta_pending = True
-        # Between batch events the evicted tokens left stay visible: the whole buffer.
-        return self.kv.fetch(self.kv.capacity if self._lingering else n + 1)
+        return self._fetch()
 
     def _batch_event(self, keep):
         items, kv = self._queue.take(), self.kv
