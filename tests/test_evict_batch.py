@@ -14,7 +14,7 @@ from mlx_h2o.cache import QuantConfig, quantized_cache_type
 from mlx_h2o.config import config_from_dict, config_to_dict, with_max_size
 
 from test_cache import check_kept
-from tiny_models import tiny_llama, tiny_qwen3
+from tiny_models import VOCAB, tiny_llama, tiny_qwen3
 
 D, HQ, HK = 8, 4, 2
 
@@ -183,7 +183,8 @@ def test_mixed_precision_keeps_per_step_eviction():
 def test_equals_kvcache_within_budget():
     """Nothing evicted: the same logits as mlx-lm's KVCache, batch or not."""
     model = tiny_llama()
-    tokens = mx.array(np.random.default_rng(0).integers(0, 100, (1, 40)))
+    # ids must stay below VOCAB: an out-of-range id reads past the embedding
+    tokens = mx.array(np.random.default_rng(0).integers(0, VOCAB, (1, 40)))
     ref = [KVCache() for _ in model.layers]
     want = [model(tokens[:, :24], cache=ref)] + [model(tokens[:, t:t + 1], cache=ref)
                                                   for t in range(24, 40)]
