@@ -81,6 +81,20 @@ def fold_at_next_token(cache):
     return cache
 
 
+def folds_together(cache):
+    """Every layer folds its queued scores on the same token (no phase)."""
+    for c in cache:
+        c.set_fold_phase(0)
+    return cache
+
+
+def exact_fold_width(cache):
+    """Queue folds shaped by the slots in use (before session 11)."""
+    for c in cache:
+        c.fixed_fold_width = False
+    return cache
+
+
 def strategies(model, context, budget):
     n = len(model.layers)
     cfg = H2OConfig(max_size=budget, heavy_budget=budget // 2)
@@ -92,6 +106,10 @@ def strategies(model, context, budget):
         "h2o_batch32": lambda: make_h2o_cache(model, replace(cfg, evict_batch=32)),
         "h2o_batch64": lambda: make_h2o_cache(model, replace(cfg, evict_batch=64)),
         "h2o_no_evict": lambda: make_h2o_cache(model, H2OConfig(max_size=context + 4096)),
+        "h2o_no_evict_sync": lambda: folds_together(
+            make_h2o_cache(model, H2OConfig(max_size=context + 4096))),
+        "h2o_no_evict_exact": lambda: exact_fold_width(
+            make_h2o_cache(model, H2OConfig(max_size=context + 4096))),
         "h2o_q8": lambda: quantized(model, cfg, 8, False),
         "h2o_q8_group": lambda: quantized(model, cfg, 8, True),
         "h2o_q8_group_kernel": lambda: quantized(model, cfg, 8, True, by_kernel=True),
@@ -339,6 +357,10 @@ def main():
             y, row = generate_split(model, cache, y, args.steps)
             y, idle = serial_split(model, cache, y, args.steps)
             row.update(idle)
+            row.update(active_gb=mx.get_active_memory() / 2**30,
+                       cache_gb=mx.get_cache_memory() / 2**30,
+                       peak_gb=mx.get_peak_memory() / 2**30)
+            mx.reset_peak_memory()
             if not args.no_trace:
                 y, row["kernel"], row["kernels"], names, n = kernel_time(model, cache, y,
                                                                         args.steps)

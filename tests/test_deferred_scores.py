@@ -55,10 +55,13 @@ def assert_same(lazy, eager):
 @pytest.mark.parametrize("mode", ["accumulated", "normalized"])
 @pytest.mark.parametrize("steps", [1, 3, 32])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_deferred_equals_per_step_fold(mode, steps, seed):
-    cfg = H2OConfig(max_size=40, sink_size=2, heavy_budget=15, score=mode, pinned=((5, 7),))
+@pytest.mark.parametrize("fixed_width,grow", [(True, 256), (True, 8), (False, 8)])
+def test_deferred_equals_per_step_fold(mode, steps, seed, fixed_width, grow):
+    # grow 8: folds read n rounded up to 8 slots of a larger buffer (or exactly n)
+    cfg = H2OConfig(max_size=40, sink_size=2, heavy_budget=15, score=mode, pinned=((5, 7),),
+                    step=grow)
     lazy, eager = pair(cfg)
-    lazy.defer_steps = steps
+    lazy.defer_steps, lazy.fixed_fold_width = steps, fixed_width
     lazy.set_fold_phase(seed)
     rng_a, rng_b = np.random.default_rng(seed), np.random.default_rng(seed)
     # Fill by decode steps, a chunk in between, past the budget, then evict.
@@ -104,6 +107,18 @@ def test_phase_staggers_the_first_fold():
                 firsts.append(i)
                 break
     assert len(set(firsts)) > 1
+
+
+def test_fold_width_repeats_for_a_step_of_tokens():
+    cache = H2OKVCache(H2OConfig(max_size=64, step=16))
+    rng = np.random.default_rng(2)
+    step(cache, 3, rng)
+    widths = []
+    for _ in range(30):
+        step(cache, 1, rng)
+        widths.append(cache._fold_width(cache._n))
+    assert widths == [16] * 13 + [32] * 16 + [48]  # n = 4 .. 33
+    assert all(w <= cache.kv.capacity for w in widths)
 
 
 def test_memory_bound_folds_sooner(monkeypatch):

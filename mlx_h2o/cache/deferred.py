@@ -45,11 +45,13 @@ class ScoreQueue:
     def __len__(self) -> int:
         return len(self.items)
 
-    def push(self, queries: mx.array, n: int, position: int, scale: float) -> bool:
-        """Queue one decode query; True when the queue should be folded now."""
+    def push(self, queries: mx.array, n: int, position: int, scale: float,
+             width: int = 0) -> bool:
+        """Queue one decode query; True when the queue should be folded now.
+        ``width``: slots the fold will read (at least ``n``)."""
         self.items.append(QueuedQuery(queries, n, position, scale))
         B, Hq = queries.shape[:2]
-        limit = max(1, min(self.steps, MAX_LOGITS // (B * Hq * n)))
+        limit = max(1, min(self.steps, MAX_LOGITS // (B * Hq * max(n, width))))
         return len(self.items) + self._head_start >= limit
 
     def take(self) -> List[QueuedQuery]:

@@ -68,6 +68,9 @@ class H2OKVCache:
     # launch and no metadata writes per step while the cache fills.
     defer_scores = True
     defer_steps = 128
+    # Queue folds read n rounded up to config.step slots (fixed shapes); False
+    # reads exactly n (kept to compare the two in benchmarks).
+    fixed_fold_width = True
     # Evicting decode steps folded with other layers' in one launch per token
     # (cache/group.py): make_h2o_cache sets the group on a GPU backend.
     _group = None
@@ -404,7 +407,8 @@ class H2OKVCache:
 
     def _deferred_attention(self, queries, keys, values, scale):
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
-        due = self._queue.push(queries, self._n, self.offset - 1, scale)
+        due = self._queue.push(queries, self._n, self.offset - 1, scale,
+                               width=self._fold_width(self._n))
         self._meta_pending = self._pending = False  # the queue owns them now
         if due:
             self._fold_queue()
@@ -417,9 +421,24 @@ class H2OKVCache:
         # Queued tokens are consecutive (anything else folds the queue first);
         # their slots' scores are zero (fresh buffer, or zeroed by trim).
         self._positions[..., first:n] = mx.arange(items[0].position, items[0].position + n - first)
-        step, seen = batch_fold(items, self.kv.keys[..., :n, :])
-        self._score[..., :n] = self._score[..., :n] + step
-        self._count[..., :n] = self._count[..., :n] + seen
+        w = self._fold_width(n)
+        step, seen = batch_fold(items, self.kv.keys if w == self.kv.capacity else
+                                self.kv.keys[..., :w, :])
+        if w == self.kv.capacity:
+            self._score, self._count = self._score + step, self._count + seen
+        else:
+            self._score[..., :w] = self._score[..., :w] + step
+            self._count[..., :w] = self._count[..., :w] + seen
+
+    def _fold_width(self, n: int) -> int:
+        """Slots a fold of the queue reads: ``n`` rounded up to ``config.step``
+        (or the whole buffer). Slots a query does not see add exact zeros, and
+        the fold's shapes repeat for up to ``step`` tokens: on the H100 a fold
+        shaped by ``n`` (new buffer sizes every token) ran a 16K-context decode
+        out of memory (docs/GPU.md, session 11)."""
+        if not self.fixed_fold_width:
+            return n
+        return min(self.kv.capacity, -(-n // self.config.step) * self.config.step)
 
     # --- group steps (cache/group.py) -------------------------------------------
     def groupable(self) -> bool:
