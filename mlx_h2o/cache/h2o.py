@@ -429,6 +429,10 @@ class H2OKVCache:
         else:
             self._score[..., :w] = self._score[..., :w] + step
             self._count[..., :w] = self._count[..., :w] + seen
+        # Nothing else evaluates the metadata until a decision reads it: left
+        # lazy, each fold's graph would hold that step's K buffer (a 16K-context
+        # 8B model grew by ~1 GB per fold round on the H100, docs/GPU.md).
+        mx.async_eval(self._positions, self._score, self._count)
 
     def _fold_width(self, n: int) -> int:
         """Slots a fold of the queue reads: ``n`` rounded up to ``config.step``
