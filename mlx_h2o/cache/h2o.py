@@ -412,6 +412,11 @@ class H2OKVCache:
         self._meta_pending = self._pending = False  # the queue owns them now
         if due:
             self._fold_queue()
+            # Evaluated with this step's output: nothing else reads the metadata
+            # until a decision does, and left lazy each fold's graph held that
+            # step's K buffer (a 16K-context decode on the H100 grew by ~5 GB per
+            # 128 tokens and ran out of memory, docs/GPU.md).
+            out = mx.depends(out, [self._positions, self._score, self._count])
         return out
 
     def _fold_queue(self):
@@ -429,10 +434,6 @@ class H2OKVCache:
         else:
             self._score[..., :w] = self._score[..., :w] + step
             self._count[..., :w] = self._count[..., :w] + seen
-        # Nothing else evaluates the metadata until a decision reads it: left
-        # lazy, each fold's graph would hold that step's K buffer (a 16K-context
-        # 8B model grew by ~1 GB per fold round on the H100, docs/GPU.md).
-        mx.async_eval(self._positions, self._score, self._count)
 
     def _fold_width(self, n: int) -> int:
         """Slots a fold of the queue reads: ``n`` rounded up to ``config.step``
