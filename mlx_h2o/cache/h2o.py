@@ -184,11 +184,12 @@ class H2OKVCache:
         if self._meta_pending:
             self._write_pending_meta()
         self._fold_ops(logits, lse, L)
-        if L > 1:
-            # A chunk's (L, N) logits are large: finish this layer before the next
-            # builds its own, or every layer's logits stay alive at once (a 2K
-            # prompt at B=5 on SmolLM2 peaked at 22 GB).
-            mx.eval(out, self.score, self.count, self.positions)
+        if L == 1:
+            return self._with_metadata(out)
+        # A chunk's (L, N) logits are large: finish this layer before the next
+        # builds its own, or every layer's logits stay alive at once (a 2K
+        # prompt at B=5 on SmolLM2 peaked at 22 GB).
+        mx.eval(out, self.score, self.count, self.positions)
         return out
 
     def _attention(self, queries, keys, values, scale, mask, sinks):
@@ -412,12 +413,16 @@ class H2OKVCache:
         self._meta_pending = self._pending = False  # the queue owns them now
         if due:
             self._fold_queue()
-            # Evaluated with this step's output: nothing else reads the metadata
-            # until a decision does, and left lazy each fold's graph held that
-            # step's K buffer (a 16K-context decode on the H100 grew by ~5 GB per
-            # 128 tokens and ran out of memory, docs/GPU.md).
-            out = mx.depends(out, [self._positions, self._score, self._count])
+            out = self._with_metadata(out)
         return out
+
+    def _with_metadata(self, out):
+        """``out``, evaluated together with the metadata a decode step updated.
+        Nothing else reads it until a decision does; left lazy, each update's
+        graph held that step's K buffer or logits (an H100 decode at 16K
+        context grew by ~5 GB per 128 tokens and ran out of memory,
+        docs/GPU.md, session 11)."""
+        return mx.depends(out, [self._positions, self._score, self._count])
 
     def _fold_queue(self):
         """Fold the queued decode queries' scores and write their tokens' metadata."""
@@ -429,7 +434,7 @@ class H2OKVCache:
         w = self._fold_width(n)
         step, seen = batch_fold(items, self.kv.keys if w == self.kv.capacity else
                                 self.kv.keys[..., :w, :])
-        if w == self.kv.capacity:
+        if w == self._score.shape[-1]:
             self._score, self._count = self._score + step, self._count + seen
         else:
             self._score[..., :w] = self._score[..., :w] + step
@@ -443,7 +448,9 @@ class H2OKVCache:
         out of memory (docs/GPU.md, session 11)."""
         if not self.fixed_fold_width:
             return n
-        return min(self.kv.capacity, -(-n // self.config.step) * self.config.step)
+        # After a prompt compaction the metadata can be shorter than the buffer.
+        cap = min(self.kv.capacity, self._score.shape[-1])
+        return min(cap, -(-n // self.config.step) * self.config.step)
 
     # --- group steps (cache/group.py) -------------------------------------------
     def groupable(self) -> bool:
@@ -521,7 +528,7 @@ class H2OKVCache:
             recent_budget=cfg.recent_budget, pinned=cfg.pinned, window_size=self.window_size,
         )
         self._take_step(res)
-        return out
+        return self._with_metadata(out)
 
     def _take_step(self, res):
         """A GPU step's results (H2OStep or H2OFold): the state it wrote, and the
