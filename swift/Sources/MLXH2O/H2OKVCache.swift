@@ -89,6 +89,12 @@ open class H2OKVCache: KVCache {
             pool: over ? config.prefillPool : 0)
         score![.ellipsis, ..<n] = s
         count![.ellipsis, ..<n] = c
+        if queries.dim(2) == 1 {
+            // Nothing reads the metadata until an eviction decision does: left
+            // lazy, each decode step's fold held its logits and memory grew with
+            // every token below the budget (docs/GPU.md, session 11).
+            asyncEval([positions!, score!, count!])
+        }
         let keep =
             n > config.maxSize
             ? H2OPolicy.selectKeep(
