@@ -432,8 +432,7 @@ class H2OKVCache:
         # their slots' scores are zero (fresh buffer, or zeroed by trim).
         self._positions[..., first:n] = mx.arange(items[0].position, items[0].position + n - first)
         w = self._fold_width(n)
-        step, seen = batch_fold(items, self.kv.keys if w == self.kv.capacity else
-                                self.kv.keys[..., :w, :])
+        step, seen = batch_fold(items, self.kv.dense_keys(w))
         if w == self._score.shape[-1]:
             self._score, self._count = self._score + step, self._count + seen
         else:
@@ -553,9 +552,8 @@ class H2OKVCache:
         if type(self.kv) is DenseKV and self.window_size is None and n == self.kv.capacity:
             self._batch_event(keep)  # one pass (cache/batch.py)
         else:
-            if self._queue.items:
-                self._fold_queue()  # the decision reads every queued query's scores
-            pri, pos = self._priority(self.offset + 1)  # as the per-step victim choice
+            # As the per-step victim choice; reading the metadata folds the queue.
+            pri, pos = self._priority(self.offset + 1)
             self._gather(policy.keep_then_evict(pri, pos, keep))
             self._score[..., keep:] = 0.0  # appended tokens start unscored
             self._count[..., keep:] = 0.0

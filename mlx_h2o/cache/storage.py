@@ -123,7 +123,8 @@ class DenseKV:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
 
     def dense_keys(self, n: int) -> mx.array:
-        return self.keys[..., :n, :]
+        # A full buffer as is (no slice node), as fetch returns it.
+        return self.keys if n == self.keys.shape[2] else self.keys[..., :n, :]
 
     @property
     def group_keys(self) -> mx.array:

@@ -89,12 +89,6 @@ open class H2OKVCache: KVCache {
             pool: over ? config.prefillPool : 0)
         score![.ellipsis, ..<n] = s
         count![.ellipsis, ..<n] = c
-        if queries.dim(2) == 1 {
-            // Nothing reads the metadata until an eviction decision does: left
-            // lazy, each decode step's fold held its logits and memory grew with
-            // every token below the budget (docs/GPU.md, session 11).
-            asyncEval([positions!, score!, count!])
-        }
         let keep =
             n > config.maxSize
             ? H2OPolicy.selectKeep(
@@ -104,7 +98,12 @@ open class H2OKVCache: KVCache {
             precondition(k == keep.dim(-1))
             gather(keep, n: n)
         }
-        return out
+        guard queries.dim(2) == 1 else { return out }
+        // Nothing reads the metadata until an eviction decision does: left lazy,
+        // each decode step's fold held its logits and memory grew with every
+        // token below the budget (docs/GPU.md, session 11). Evaluated with the
+        // output, as Python's _with_metadata (one graph, no extra eval).
+        return depends(input: out, dependencies: [positions!, score!, count!])
     }
 
     func place(keys: MLXArray, values: MLXArray) {

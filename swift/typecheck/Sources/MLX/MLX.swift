@@ -86,7 +86,7 @@ public func argSort(_ a: MLXArray, axis: Int) -> MLXArray { a }
 public func takeAlong(_ a: MLXArray, _ i: MLXArray, axis: Int) -> MLXArray { a }
 public func putAlong(_ a: MLXArray, _ i: MLXArray, values: MLXArray, axis: Int) -> MLXArray { a }
 public func matmul(_ a: MLXArray, _ b: MLXArray) -> MLXArray { a }
-public func asyncEval(_ arrays: some Collection<MLXArray>) {}
+public func depends(input: MLXArray, dependencies: [MLXArray]) -> MLXArray { input }
 public func quantized(_ w: MLXArray, groupSize: Int = 64, bits: Int = 4) -> (wq: MLXArray, scales: MLXArray, biases: MLXArray?) { (w, w, w) }
 public func dequantized(_ w: MLXArray, scales: MLXArray, biases: MLXArray?, groupSize: Int = 64, bits: Int = 4) -> MLXArray { w }
 public enum MLXFast {
