@@ -95,6 +95,13 @@ def exact_fold_width(cache):
     return cache
 
 
+def ops_queue_fold(cache):
+    """Queue folds in plain ops (before session 12) instead of kernels/queued.py."""
+    for c in cache:
+        c.fold_queue_on_gpu = False
+    return cache
+
+
 def strategies(model, context, budget):
     n = len(model.layers)
     cfg = H2OConfig(max_size=budget, heavy_budget=budget // 2)
@@ -107,6 +114,8 @@ def strategies(model, context, budget):
         "h2o_batch64": lambda: make_h2o_cache(model, replace(cfg, evict_batch=64)),
         "h2o_no_evict": lambda: make_h2o_cache(model, H2OConfig(max_size=context + 4096)),
         "h2o_no_evict_sync": lambda: folds_together(
+            make_h2o_cache(model, H2OConfig(max_size=context + 4096))),
+        "h2o_no_evict_ops": lambda: ops_queue_fold(
             make_h2o_cache(model, H2OConfig(max_size=context + 4096))),
         "h2o_no_evict_exact": lambda: exact_fold_width(
             make_h2o_cache(model, H2OConfig(max_size=context + 4096))),

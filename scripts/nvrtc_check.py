@@ -1,8 +1,9 @@
 """Compile every CUDA kernel variant with NVRTC on a machine without a GPU.
 
 Catches compile errors before GPU time is spent. Each (label, header, body) of
-mlx_h2o.kernels.build.all_sources("cuda") (and any other build.*_sources), and
-each quantized attention kernel of kernels/quantized_gpu.py, is wrapped as MLX
+mlx_h2o.kernels.build.all_sources("cuda") (and any other build.*_sources),
+each quantized attention kernel of kernels/quantized_gpu.py and the two passes
+of kernels/queued.py, is wrapped as MLX
 0.32.4's CUDA custom kernel builder does (mlx/backend/cuda/custom_kernel.cpp,
 build_kernel), with the template constants and dtypes the launch code passes,
 and compiled for sm_90 as MLX's JIT does (jit_module.cpp): MLX's device
@@ -40,7 +41,7 @@ from typing import Callable, Dict, List
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from mlx_h2o.kernels import build, kv_write, quantized_gpu  # noqa: E402
+from mlx_h2o.kernels import build, kv_write, quantized_gpu, queued  # noqa: E402
 from mlx_h2o.kernels.decode import KEYS_PER_LANE_GROUP, layout  # noqa: E402
 
 _NV = next(iter(glob.glob("/tmp/nv/lib/python3*/site-packages/nvidia/cu13")),
@@ -220,6 +221,15 @@ def write_kernels(D: int) -> List[Kernel]:
     return out
 
 
+def queue_fold_kernels(D: int, G: int) -> List[Kernel]:
+    """queue_fold's two passes."""
+    types = {"vis": "int32_t", "part": "float"}
+    return [Kernel(f"qfold pass={2 if second else 1}",
+                   *queued.pass_source("cuda", second), *queued.pass_names(second),
+                   lambda dt: [("T", dt), ("D", D), ("G", G)], types)
+            for second in (False, True)]
+
+
 # --- MLX's JIT headers ----------------------------------------------------------
 def mlx_jit_headers(libmlx: str) -> dict:
     """{include name: text} of the device headers libmlx.so hands to NVRTC
@@ -339,6 +349,7 @@ def programs(args) -> List[tuple]:
     """(tag, function name, source) of every program to compile."""
     D, G, HK, L = (int(x) for x in args.shape.split(","))
     kernels = build_kernels(D, G, HK, L) + quantized_kernels(D, G) + write_kernels(D)
+    kernels += queue_fold_kernels(D, G)
     jobs = [(k, dt) for k in kernels if args.only in k.label
             for dt in args.dtypes.split(",")]
     out = []

@@ -9,7 +9,7 @@ up to float summation order: keys are only appended meanwhile, and each query
 is masked to the keys that existed at its step.
 """
 
-from typing import List, NamedTuple, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 
@@ -46,12 +46,16 @@ class ScoreQueue:
         return len(self.items)
 
     def push(self, queries: mx.array, n: int, position: int, scale: float,
-             width: int = 0) -> bool:
+             width: Optional[int] = 0) -> bool:
         """Queue one decode query; True when the queue should be folded now.
-        ``width``: slots the fold will read (at least ``n``)."""
+        ``width``: slots the ops fold will read (at least ``n``); None: the
+        fold kernel (kernels/queued.py) runs, whose memory does not grow
+        with the queue, so only ``steps`` bounds it."""
         self.items.append(QueuedQuery(queries, n, position, scale))
-        B, Hq = queries.shape[:2]
-        limit = max(1, min(self.steps, MAX_LOGITS // (B * Hq * max(n, width))))
+        limit = self.steps
+        if width is not None:
+            B, Hq = queries.shape[:2]
+            limit = max(1, min(limit, MAX_LOGITS // (B * Hq * max(n, width))))
         return len(self.items) + self._head_start >= limit
 
     def take(self) -> List[QueuedQuery]:
@@ -67,7 +71,7 @@ def batch_logits(items: List[QueuedQuery], keys: mx.array) -> Tuple[mx.array, mx
     bfloat16 values are exact in TF32 too), logits = (q . k) * scale.
     """
     bias = _bias(_visible(items, keys.shape[2]))
-    logits = masked_logits(_queries(items), keys, items[0].scale, bias)
+    logits = masked_logits(queued_queries(items), keys, items[0].scale, bias)
     B, Hk, G, T, n = logits.shape
     logits = logits.reshape(B, Hk * G, T, n)
     return logits, mx.logsumexp(logits, axis=-1)
@@ -79,7 +83,7 @@ def batch_fold(items: List[QueuedQuery], keys: mx.array) -> Tuple[mx.array, mx.a
     averaged over each GQA group and summed over the queries, (B, n_kv_heads,
     n); and the number of queries that saw the slot, (n,). float32."""
     visible = _visible(items, keys.shape[2])
-    step = fold_step(_queries(items), keys, items[0].scale, _bias(visible))
+    step = fold_step(queued_queries(items), keys, items[0].scale, _bias(visible))
     return step, visible.sum(axis=0).astype(mx.float32)
 
 
@@ -109,5 +113,5 @@ def _bias(visible: mx.array) -> mx.array:
     return mx.where(visible, 0.0, -mx.inf)
 
 
-def _queries(items: List[QueuedQuery]) -> mx.array:
+def queued_queries(items: List[QueuedQuery]) -> mx.array:
     return mx.concatenate([it.queries for it in items], axis=2)  # (B, n_heads, T, D)

@@ -9,9 +9,9 @@ from mlx_lm.models.base import create_causal_mask
 from .. import policy
 from ..config import H2OConfig, config_from_dict, config_to_dict
 from ..kernels import fold_step_supported, gpu_backend, h2o_fold_step, h2o_step_supported
-from ..kernels import make_plan
+from ..kernels import make_plan, queue_fold, queue_fold_supported
 from .batch import batch_event
-from .deferred import DEFERRABLE, ScoreQueue, batch_fold
+from .deferred import DEFERRABLE, ScoreQueue, batch_fold, queued_queries
 from .storage import DenseKV, fresh_slot, resize_slots, take_slots
 
 NO_SCORES = (
@@ -71,6 +71,9 @@ class H2OKVCache:
     # Queue folds read n rounded up to config.step slots (fixed shapes); False
     # reads exactly n (kept to compare the two in benchmarks).
     fixed_fold_width = True
+    # On a GPU, queue folds run kernels/queued.py: two launches that write
+    # no logits (False: the ops fold, kept to compare the two in benchmarks).
+    fold_queue_on_gpu = True
     # Evicting decode steps folded with other layers' in one launch per token
     # (cache/group.py): make_h2o_cache sets the group on a GPU backend.
     _group = None
@@ -93,6 +96,7 @@ class H2OKVCache:
         self.window_size = window_size
         self._queue = ScoreQueue(self.defer_steps)
         self._lazy = False  # this decode step's scores go to the queue
+        self._queue_kernel = False  # the queue is folded by kernels/queued.py
         self.kv = self.storage_cls()
         self.positions = self.score = self.count = None
         self.offset = 0  # tokens seen
@@ -408,8 +412,10 @@ class H2OKVCache:
 
     def _deferred_attention(self, queries, keys, values, scale):
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
-        due = self._queue.push(queries, self._n, self.offset - 1, scale,
-                               width=self._fold_width(self._n))
+        if not self._queue.items:  # decided once per fold, not per step
+            self._queue_kernel = self.fold_queue_on_gpu and queue_fold_supported(queries, keys)
+        width = None if self._queue_kernel else self._fold_width(self._n)
+        due = self._queue.push(queries, self._n, self.offset - 1, scale, width=width)
         self._meta_pending = self._pending = False  # the queue owns them now
         if due:
             self._fold_queue()
@@ -431,6 +437,11 @@ class H2OKVCache:
         # Queued tokens are consecutive (anything else folds the queue first);
         # their slots' scores are zero (fresh buffer, or zeroed by trim).
         self._positions[..., first:n] = mx.arange(items[0].position, items[0].position + n - first)
+        queries, keys = queued_queries(items), self.kv.dense_keys(self.kv.capacity)
+        if self._queue_kernel and queue_fold_supported(queries, keys):
+            self._score, self._count = queue_fold(
+                queries, keys, [it.n for it in items], items[0].scale, self._score, self._count)
+            return
         w = self._fold_width(n)
         step, seen = batch_fold(items, self.kv.dense_keys(w))
         if w == self._score.shape[-1]:

@@ -2,8 +2,9 @@
 
 ``scaled_dot_product_attention_with_scores`` runs the CUDA / Metal decode
 kernels (Lq <= 8) when the backend and shapes allow, else the reference in
-plain mx ops. ``h2o_decode_step`` is the fused H2O decode step (GPU only;
-check ``h2o_step_supported`` first).
+plain mx ops. ``h2o_decode_step`` is the fused H2O decode step and
+``queue_fold`` the fold of queued decode queries (GPU only; check
+``h2o_step_supported`` / ``queue_fold_supported`` first).
 """
 
 from typing import Optional, Tuple
@@ -15,6 +16,7 @@ from .build import gpu_backend
 from .decode import decode_attention, supported
 from .h2o_step import H2OFold, H2OStep, fold_step_supported, h2o_decode_step
 from .h2o_step import h2o_fold_step, h2o_step_supported, make_plan
+from .queued import queue_fold, queue_fold_supported
 from .reference import Mask, causal_mask
 
 
@@ -59,5 +61,7 @@ __all__ = [
     "h2o_fold_step",
     "h2o_step_supported",
     "make_plan",
+    "queue_fold",
+    "queue_fold_supported",
     "scaled_dot_product_attention_with_scores",
 ]

@@ -1,0 +1,288 @@
+"""Fold queued decode queries into the summed H2O scores in two launches.
+
+cache/deferred.py keeps the decode queries of a cache below its budget and
+folds them every few steps. In plain ops that fold materializes float32
+logits, their softmax and a float32 copy of K: at 16K context and 32
+queries about 330 MB of transients per fold, which cost an H100 decode
+3.5-4 ms per token (docs/GPU.md, session 11). These kernels never write a
+logit: pass 1 gives each block (sequence, KV head, key split) and writes
+every query row's partial (max, sum exp) over its keys; pass 2 merges the
+splits into each row's lse, recomputes the logits and adds each slot's
+probability, averaged over the GQA group and summed over the queries, to
+``score``, and the number of queries that saw it to ``count``.
+
+Rows of a block are (g, t) of its KV head: query head hk * G + g, queued
+query t, which sees slots < vis[t]. A thread owns one key at a time and
+reads its row once per chunk of RC rows staged in shared memory.
+Template constants: T dtype, D head dim, G query heads per KV head, KPT keys
+per thread (a block covers KPT * NT slots), RC rows per chunk.
+"""
+
+from functools import lru_cache
+from typing import Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from . import source as src
+from .build import _kernel, gpu_backend
+from .decode import DTYPES
+
+NT = 128
+RC = 8
+KPT = 4
+MAX_ROWS = 2048  # G * queued queries: pass 2 keeps one lse per row in shared memory
+
+# float4 constructor of each backend (the shared body stages q as float4).
+F4 = {"cuda": "#define H2O_F4 make_float4\n", "metal": "#define H2O_F4 float4\n"}
+
+SETUP = r"""
+$IDS
+  constexpr int NW = NT / 32;
+  constexpr int E = 8;  // K elements per fetch
+  constexpr int D4 = D / 4;
+  const int TQ = q_shape[2];
+  const int NR = G * TQ;
+  const int cap = k_shape[2];
+  const int bh = blk_x;  // b * HK + hk
+  const int split = blk_y;
+  const int NS = n_blk_y;
+  const int j0 = split * KPT * NT;
+  int nmax = 0;  // slots any queued query sees
+  for (int t = 0; t < TQ; ++t) nmax = vis[t] > nmax ? vis[t] : nmax;
+  const float scale = prm_f[0];
+  auto qb = q + (i64)bh * NR * D;
+  auto kb = k + (i64)bh * cap * D;
+  H2O_SHARED float4 qs[RC * D4];
+"""
+
+# Stage rows r0 .. r0 + RC of the block's queries as float4 (zeros past NR).
+STAGE = r"""
+    H2O_BARRIER();
+    for (int i = tid; i < RC * D4; i += NT) {
+      const int r = r0 + i / D4;
+      const int d = (i % D4) * 4;
+      auto p = qb + (i64)(r < NR ? r : 0) * D + d;
+      const float on = r < NR ? 1.0f : 0.0f;
+      qs[i] = H2O_F4(on * static_cast<float>(p[0]), on * static_cast<float>(p[1]),
+                     on * static_cast<float>(p[2]), on * static_cast<float>(p[3]));
+    }
+    H2O_BARRIER();
+"""
+
+# acc[r] = q_r . k_j for the staged rows (key row read once per chunk).
+DOT = r"""
+        float acc[RC];
+        H2O_UNROLL
+        for (int r = 0; r < RC; ++r) acc[r] = 0.0f;
+        auto kr = kb + (i64)j * D;
+        const bool kvec = H2O_ALIGNED16(kr);
+        for (int d0 = 0; d0 < D; d0 += E) {
+          float kf[E];
+          {
+            H2ORaw<T, E> raw;
+            h2o_fetch<E>(kr + d0, 1, kvec, raw);
+            h2o_cvt<E>(raw, kf);
+          }
+          H2O_UNROLL
+          for (int r = 0; r < RC; ++r) {
+            const float4 a = qs[r * D4 + d0 / 4];
+            const float4 c = qs[r * D4 + d0 / 4 + 1];
+            acc[r] += a.x * kf[0] + a.y * kf[1] + a.z * kf[2] + a.w * kf[3]
+                    + c.x * kf[4] + c.y * kf[5] + c.z * kf[6] + c.w * kf[7];
+          }
+        }
+"""
+
+PASS1 = r"""
+  H2O_SHARED float red[NW * RC * 2];
+  const i64 pbase = ((i64)bh * NS + split) * NR;
+  for (int r0 = 0; r0 < NR; r0 += RC) {
+    if (j0 >= nmax) {  // no visible key in this split
+      if (tid < RC && r0 + tid < NR) {
+        part[(pbase + r0 + tid) * 2] = -H2O_INF;
+        part[(pbase + r0 + tid) * 2 + 1] = 0.0f;
+      }
+      continue;
+    }
+$STAGE
+    float m[RC];
+    float s[RC];
+    H2O_UNROLL
+    for (int r = 0; r < RC; ++r) {
+      m[r] = -H2O_INF;
+      s[r] = 0.0f;
+    }
+    for (int u = 0; u < KPT; ++u) {
+      const int j = j0 + u * NT + tid;
+      if (j < nmax) {
+$DOT
+        H2O_UNROLL
+        for (int r = 0; r < RC; ++r) {
+          const int row = r0 + r;
+          if (row < NR && j < vis[row % TQ]) {
+            const float x = acc[r] * scale;
+            if (x > m[r]) {
+              s[r] = s[r] * H2O_EXP(m[r] - x) + 1.0f;
+              m[r] = x;
+            } else {
+              s[r] += H2O_EXP(x - m[r]);
+            }
+          }
+        }
+      }
+    }
+    H2O_UNROLL
+    for (int r = 0; r < RC; ++r) {
+      float mr = m[r];
+      for (int o = 16; o > 0; o >>= 1) mr = H2O_FMAX(mr, H2O_SHFL_XOR(mr, o));
+      float sr = s[r] > 0.0f ? s[r] * H2O_EXP(m[r] - mr) : 0.0f;
+      for (int o = 16; o > 0; o >>= 1) sr += H2O_SHFL_XOR(sr, o);
+      if (lane == 0) {
+        red[(warp * RC + r) * 2] = mr;
+        red[(warp * RC + r) * 2 + 1] = sr;
+      }
+    }
+    H2O_BARRIER();
+    if (tid < RC && r0 + tid < NR) {
+      float mb = -H2O_INF;
+      for (int w = 0; w < NW; ++w) mb = H2O_FMAX(mb, red[(w * RC + tid) * 2]);
+      float sb = 0.0f;
+      for (int w = 0; w < NW; ++w) {
+        const float sw = red[(w * RC + tid) * 2 + 1];
+        sb += sw > 0.0f ? sw * H2O_EXP(red[(w * RC + tid) * 2] - mb) : 0.0f;
+      }
+      part[(pbase + r0 + tid) * 2] = mb;
+      part[(pbase + r0 + tid) * 2 + 1] = sb;
+    }
+  }
+"""
+
+PASS2 = r"""
+  H2O_SHARED float lse[MAX_ROWS];
+  const int M = score_in_shape[2];
+  float sc[KPT];
+  H2O_UNROLL
+  for (int u = 0; u < KPT; ++u) sc[u] = 0.0f;  // unrolled u loops keep sc in registers
+  if (j0 < nmax) {
+    for (int r = tid; r < NR; r += NT) {  // merge the splits of row r
+      const i64 pr = (i64)bh * NS * NR + r;
+      float mb = -H2O_INF;
+      for (int sp = 0; sp < NS; ++sp) mb = H2O_FMAX(mb, part[(pr + (i64)sp * NR) * 2]);
+      float sb = 0.0f;
+      for (int sp = 0; sp < NS; ++sp) {
+        const float sw = part[(pr + (i64)sp * NR) * 2 + 1];
+        sb += sw > 0.0f ? sw * H2O_EXP(part[(pr + (i64)sp * NR) * 2] - mb) : 0.0f;
+      }
+      lse[r] = mb + H2O_LOG(sb);
+    }
+    for (int r0 = 0; r0 < NR; r0 += RC) {
+$STAGE
+      H2O_UNROLL
+      for (int u = 0; u < KPT; ++u) {
+        const int j = j0 + u * NT + tid;
+        if (j < nmax) {
+$DOT
+          H2O_UNROLL
+          for (int r = 0; r < RC; ++r) {
+            const int row = r0 + r;
+            if (row < NR && j < vis[row % TQ]) sc[u] += H2O_EXP(acc[r] * scale - lse[row]);
+          }
+        }
+      }
+    }
+  }
+  H2O_UNROLL
+  for (int u = 0; u < KPT; ++u) {
+    const int j = j0 + u * NT + tid;
+    if (j < M) {
+      int seen = 0;
+      for (int t = 0; t < TQ; ++t) seen += j < vis[t] ? 1 : 0;
+      const i64 o = (i64)bh * M + j;
+      score_out[o] = score_in[o] + sc[u] / G;
+      count_out[o] = count_in[o] + static_cast<float>(seen);
+    }
+  }
+"""
+
+
+def pass_names(second: bool):
+    """Input and output names of pass 1 (partials) or pass 2 (the fold)."""
+    inputs = ["q", "k", "vis", "prm_f"]
+    if second:
+        return inputs + ["part", "score_in", "count_in"], ["score_out", "count_out"]
+    return inputs, ["part"]
+
+
+def pass_source(backend: str, second: bool) -> Tuple[str, str]:
+    """(header, body) of one pass for ``backend``."""
+    header, ids = (src.CUDA_HEADER, src.CUDA_IDS) if backend == "cuda" else (
+        src.METAL_HEADER, src.METAL_IDS)
+    consts = f"constexpr int NT = {NT};\nconstexpr int RC = {RC};\nconstexpr int KPT = {KPT};\n"
+    consts += f"constexpr int MAX_ROWS = {MAX_ROWS};\n"
+    body = (SETUP.replace("$IDS", ids) + (PASS2 if second else PASS1))
+    body = body.replace("$STAGE", STAGE).replace("$DOT", DOT)
+    return header + F4[backend] + consts, body
+
+
+@lru_cache(maxsize=None)
+def _make_pass_kernel(second: bool):
+    """Pass-1 or pass-2 kernel, or None without a GPU backend. Queries, K and
+    the scores are indexed flat, so inputs are made row-contiguous."""
+    backend = gpu_backend()
+    if backend is None:
+        return None
+    name = f"h2o_qfold{2 if second else 1}"
+    return _kernel(backend, name, pass_names(second), *pass_source(backend, second),
+                   contiguous=True)
+
+
+def queue_fold_supported(queries: mx.array, keys: mx.array) -> bool:
+    """Whether queue_fold runs here for these queries (B, Hq, T, D) and K
+    buffer (B, Hk, cap, D)."""
+    B, Hq, T, D = queries.shape
+    Hk = keys.shape[1]
+    return (gpu_backend() is not None and mx.default_device() == mx.gpu
+            and queries.dtype in DTYPES and keys.dtype == queries.dtype
+            and D % 8 == 0 and 8 <= D <= 256 and keys.shape[-1] == D
+            and keys.shape[0] == B and Hq % Hk == 0 and (Hq // Hk) * T <= MAX_ROWS)
+
+
+@lru_cache(maxsize=64)
+def _scale_array(scale: float) -> mx.array:
+    return mx.array([scale], mx.float32)
+
+
+def queue_fold(queries: mx.array, keys: mx.array, visible: Sequence[int], scale: float,
+               score: mx.array, count: mx.array, *,
+               poison: Optional[float] = None) -> Tuple[mx.array, mx.array]:
+    """(score, count) with the queued queries folded in (new arrays).
+
+    Shapes:
+        queries: (B, n_heads, T, D), query t sees slots < visible[t];
+        keys: the K buffer (B, n_kv_heads, cap, D), read in place;
+        score, count: (B, n_kv_heads, M) float32, M >= max(visible).
+    As cache/deferred.batch_fold added to (score, count), up to float
+    summation order. ``poison`` (tests): what an unwritten output reads.
+    """
+    B, Hq, T, D = queries.shape
+    Hk, cap, M = keys.shape[1], keys.shape[2], score.shape[-1]
+    if len(visible) != T or not 0 < min(visible) <= max(visible) <= min(cap, M):
+        raise ValueError(f"queue_fold: visible must give 1..{min(cap, M)} slots for each "
+                         f"of {T} queries, got {list(visible)}")
+    if not queue_fold_supported(queries, keys) or score.shape != (B, Hk, M):
+        raise ValueError(f"queue_fold: not supported here for queries {queries.shape} "
+                         f"{queries.dtype}, keys {keys.shape} {keys.dtype}, score "
+                         f"{score.shape} (backend={gpu_backend()})")
+    template = [("T", queries.dtype), ("D", D), ("G", Hq // Hk)]
+    grid = (B * Hk * NT, -(-M // (KPT * NT)), 1)
+    inputs = [queries, keys, mx.array(visible, mx.int32), _scale_array(float(scale))]
+    f32 = mx.float32
+    (part,) = _make_pass_kernel(False)(
+        inputs=inputs, template=template, grid=grid, threadgroup=(NT, 1, 1),
+        output_shapes=[(B * Hk, grid[1], (Hq // Hk) * T, 2)], output_dtypes=[f32],
+        init_value=poison)
+    score, count = _make_pass_kernel(True)(
+        inputs=inputs + [part, score, count], template=template, grid=grid,
+        threadgroup=(NT, 1, 1), output_shapes=[(B, Hk, M)] * 2, output_dtypes=[f32, f32],
+        init_value=poison)
+    return score, count

@@ -1,0 +1,140 @@
+"""The queue-fold kernels (kernels/queued.py) against a float64 reference.
+
+Source assembly runs everywhere; the numeric checks run only where MLX has a
+GPU backend: fresh random queries and K buffers longer than the visible
+slots, score arrays shorter than the buffer (after a prompt compaction),
+GQA ratios 1 / 2 / 4 / 8 / 16, every head dim and dtype, visible counts at
+partial tiles, outputs poisoned with NaN. The cache-level check compares a
+cache folding with the kernel and one folding with ops over a few hundred
+decode steps.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_h2o import H2OConfig, H2OKVCache
+from mlx_h2o.cache.deferred import QueuedQuery, batch_fold
+from mlx_h2o.kernels import build, queued, source
+from mlx_h2o.kernels.queued import queue_fold, queue_fold_supported
+from mlx_h2o.kernels.testing import to_np
+
+needs_gpu = pytest.mark.skipif(build.gpu_backend() is None,
+                               reason="needs MLX with Metal or CUDA")
+
+
+def ref_fold(q, k, visible, scale, score, count):
+    """float64 (score, count) plus the queued queries' softmax averaged over
+    each GQA group and summed over the queries; numpy in and out."""
+    B, Hq, T, D = q.shape
+    Hk, M = k.shape[1], score.shape[-1]
+    G = Hq // Hk
+    logits = (q.reshape(B, Hk, G * T, D) @ k.swapaxes(-1, -2)) * scale  # (B, Hk, G*T, cap)
+    vis = np.arange(k.shape[2])[None] < np.tile(np.asarray(visible), G)[:, None]
+    logits = np.where(vis, logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    m = min(M, k.shape[2])
+    step, seen = np.zeros((B, Hk, M)), np.zeros(M)
+    step[..., :m] = p.sum(2)[..., :m] / G
+    seen[:m] = vis[:T].sum(0)[:m]
+    return score + step, count + seen
+
+
+def case(rng, dtype, B, Hq, Hk, D, cap, M, visible):
+    q = mx.array(rng.standard_normal((B, Hq, len(visible), D)).astype(np.float32)).astype(dtype)
+    k = mx.array((2 * rng.standard_normal((B, Hk, cap, D))).astype(np.float32)).astype(dtype)
+    score = mx.array(rng.random((B, Hk, M)).astype(np.float32))
+    count = mx.array(rng.integers(0, 50, (B, Hk, M)).astype(np.float32))
+    return q, k, score, count
+
+
+def test_source_shares_the_body():
+    for second in (False, True):
+        _, cuda = queued.pass_source("cuda", second)
+        _, metal = queued.pass_source("metal", second)
+        assert "$" not in cuda and cuda.count("{") == cuda.count("}")
+        assert cuda.replace(source.CUDA_IDS, "") == metal.replace(source.METAL_IDS, "")
+        inputs, outputs = queued.pass_names(second)
+        assert all(n in cuda for n in inputs + outputs)
+
+
+def test_not_supported_without_gpu_or_for_odd_shapes():
+    q, k = mx.zeros((1, 8, 4, 64)), mx.zeros((1, 2, 16, 64))
+    if build.gpu_backend() is None:
+        assert not queue_fold_supported(q, k)
+    assert not queue_fold_supported(mx.zeros((1, 8, 4, 60)), mx.zeros((1, 2, 16, 60)))
+    assert not queue_fold_supported(mx.zeros((1, 32, 200, 64)), mx.zeros((1, 2, 16, 64)))
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+@pytest.mark.parametrize("D,Hq,Hk", [(64, 8, 8), (80, 16, 8), (96, 8, 2), (128, 32, 8),
+                                     (256, 16, 2), (128, 32, 2)])
+@pytest.mark.parametrize("n,T", [(1, 1), (97, 7), (257, 32), (1025, 3), (4097, 128)])
+def test_queue_fold_matches_float64(dtype, D, Hq, Hk, n, T):
+    rng = np.random.default_rng(abs(hash((str(dtype), D, Hq, n, T))) % 2**32)
+    if (Hq // Hk) * T > queued.MAX_ROWS:
+        pytest.skip("more rows than one fold takes")
+    B = 2 if n < 4097 else 1
+    visible = [max(1, n - T + 1 + t) for t in range(T)]  # consecutive tokens, as queued
+    cap, M = n + 37, n + (0 if n % 2 else 5)  # M < cap: metadata after a compaction
+    q, k, score, count = case(rng, dtype, B, Hq, Hk, D, cap, M, visible)
+    got_s, got_c = queue_fold(q, k, visible, 0.3, score, count, poison=float("nan"))
+    want_s, want_c = ref_fold(to_np(q), to_np(k), visible, 0.3, to_np(score), to_np(count))
+    np.testing.assert_array_equal(np.array(got_c), want_c)
+    np.testing.assert_allclose(np.array(got_s), want_s, rtol=2e-5, atol=2e-5)
+
+
+@needs_gpu
+def test_queue_fold_any_visible_counts():
+    rng = np.random.default_rng(7)
+    visible = [300, 5, 129, 1, 300, 77]  # not consecutive, repeated, first slot only
+    q, k, score, count = case(rng, mx.float32, 1, 8, 4, 64, 300, 300, visible)
+    got_s, got_c = queue_fold(q, k, visible, 0.5, score, count, poison=float("nan"))
+    want_s, want_c = ref_fold(to_np(q), to_np(k), visible, 0.5, to_np(score), to_np(count))
+    np.testing.assert_array_equal(np.array(got_c), want_c)
+    np.testing.assert_allclose(np.array(got_s), want_s, rtol=2e-5, atol=2e-5)
+    items = [QueuedQuery(q[:, :, t:t + 1], v, 0, 0.5) for t, v in enumerate(visible)]
+    step, seen = batch_fold(items, k)  # the ops fold the cache falls back to
+    np.testing.assert_allclose(np.array(score + step), np.array(got_s), rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(np.array(count + seen), np.array(got_c))
+
+
+@needs_gpu
+@pytest.mark.parametrize("bad", ["empty", "too_many", "zero", "dtype"])
+def test_queue_fold_rejects_bad_input(bad):
+    q, k = mx.zeros((1, 4, 2, 64), mx.float16), mx.zeros((1, 2, 16, 64), mx.float16)
+    score = count = mx.zeros((1, 2, 16))
+    visible = {"empty": [], "too_many": [3, 17], "zero": [0, 3]}.get(bad, [3, 4])
+    if bad == "dtype":
+        k = k.astype(mx.float32)
+    with pytest.raises(ValueError, match="queue_fold"):
+        queue_fold(q, k, visible, 0.1, score, count)
+
+
+@needs_gpu
+@pytest.mark.parametrize("mode", ["accumulated", "normalized"])
+def test_cache_kernel_fold_equals_ops_fold(mode):
+    """Kernel and ops folds over 300 decode steps, then eviction: same kept
+    positions, scores equal up to float summation order."""
+    cfg = H2OConfig(max_size=256, sink_size=4, heavy_budget=100, score=mode)
+    caches = [H2OKVCache(cfg), H2OKVCache(cfg)]
+    caches[1].fold_queue_on_gpu = False
+    for c in caches:
+        c.defer_steps = 32
+    B, Hq, Hk, D = 1, 8, 2, 64
+    rngs = [np.random.default_rng(5) for _ in caches]
+    for L in [40] + [1] * 300:
+        outs = []
+        for c, rng in zip(caches, rngs):
+            q, k, v = (mx.array(rng.standard_normal((B, h, L, D)).astype(np.float32))
+                       .astype(mx.bfloat16) for h in (Hq, Hk, Hk))
+            keys, values = c.update_and_fetch(k, v)
+            outs.append(c.h2o_attention(q, keys, values, scale=0.125, mask=c.make_mask(L)))
+        np.testing.assert_allclose(to_np(outs[0]), to_np(outs[1]), rtol=1e-2, atol=1e-2)
+    a, b = caches
+    assert a._queue_kernel and not b._queue_kernel
+    assert a.evicted == b.evicted > 0
+    np.testing.assert_array_equal(np.array(a.positions), np.array(b.positions))
+    np.testing.assert_allclose(np.array(a.score), np.array(b.score), rtol=1e-4, atol=1e-5)
