@@ -40,6 +40,7 @@ class ScoreQueue:
             raise ValueError(f"steps must be >= 1, got {steps}")
         self.steps = steps
         self._head_start = phase % steps
+        self._limit = steps
         self.items: List[QueuedQuery] = []
 
     def __len__(self) -> int:
@@ -48,15 +49,17 @@ class ScoreQueue:
     def push(self, queries: mx.array, n: int, position: int, scale: float,
              width: Optional[int] = 0) -> bool:
         """Queue one decode query; True when the queue should be folded now.
-        ``width``: slots the ops fold will read (at least ``n``); None: the
-        fold kernel (kernels/queued.py) runs, whose memory does not grow
-        with the queue, so only ``steps`` bounds it."""
+        ``width`` (read at a fold's first push): slots the ops fold reads at
+        that point; None: the fold kernel (kernels/queued.py) runs, whose
+        memory does not grow with the queue, so only ``steps`` bounds it."""
         self.items.append(QueuedQuery(queries, n, position, scale))
-        limit = self.steps
-        if width is not None:
-            B, Hq = queries.shape[:2]
-            limit = max(1, min(limit, MAX_LOGITS // (B * Hq * max(n, width))))
-        return len(self.items) + self._head_start >= limit
+        if len(self.items) == 1:  # one bound per fold: no shape reads per step
+            self._limit = self.steps
+            if width is not None:
+                B, Hq = queries.shape[:2]
+                most = max(n + self.steps, width)  # slots the fold may read
+                self._limit = max(1, min(self.steps, MAX_LOGITS // (B * Hq * most)))
+        return len(self.items) + self._head_start >= self._limit
 
     def take(self) -> List[QueuedQuery]:
         items, self.items, self._head_start = self.items, [], 0

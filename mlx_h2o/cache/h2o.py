@@ -412,9 +412,10 @@ class H2OKVCache:
 
     def _deferred_attention(self, queries, keys, values, scale):
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
+        width = 0  # the queue reads it at a fold's first push only
         if not self._queue.items:  # decided once per fold, not per step
             self._queue_kernel = self.fold_queue_on_gpu and queue_fold_supported(queries, keys)
-        width = None if self._queue_kernel else self._fold_width(self._n)
+            width = None if self._queue_kernel else self._fold_width(self._n)
         due = self._queue.push(queries, self._n, self.offset - 1, scale, width=width)
         self._meta_pending = self._pending = False  # the queue owns them now
         if due:
