@@ -5,6 +5,7 @@
 Attention: N in {1, 97, 257, 1025, 4097, 16385, 32768}, head dims 64-256,
 float16/bfloat16/float32, masks, GQA 1/2/4/8/16, Lq 1-8, sinks, cache views;
 fresh random inputs, every output poisoned with NaN before the kernels run.
+Queue fold (kernels/queued.py): every N, head dim and dtype against float64.
 Fused H2O step: runs next to the reference H2OKVCache (on the CPU) for a few
 hundred decode steps and compares outputs, scores and every eviction.
 """
@@ -25,8 +26,9 @@ from mlx_h2o.cache import H2OKVCache  # noqa: E402
 from mlx_h2o.config import H2OConfig  # noqa: E402
 from mlx_h2o.kernels import gpu_backend, h2o_decode_step, h2o_fold_step  # noqa: E402
 from mlx_h2o.kernels.decode import decode_attention  # noqa: E402
+from mlx_h2o.kernels.queued import queue_fold  # noqa: E402
 from mlx_h2o.kernels.testing import (  # noqa: E402
-    OUT_TOL, Case, check_case, make_inputs, rel_err, to_np,
+    OUT_TOL, Case, check_case, make_inputs, queue_fold_ref64, rel_err, to_np,
 )
 
 NS = (1, 97, 257, 1025, 4097, 16385, 32768)
@@ -284,6 +286,32 @@ def run_fold(seed: int) -> int:
     return fails
 
 
+def run_queue_fold(quick: bool, seed: int) -> int:
+    """queue_fold vs float64 for every N, head dim and dtype (GQA 1-8 by head
+    dim, queues of 1-128 queries, K buffers longer than N, outputs poisoned)."""
+    rng, fails = np.random.default_rng(seed), 0
+    for N in NS[:4] if quick else NS:
+        for i, D in enumerate(DS):
+            for dtype in DTYPES:
+                G, T = (1, 2, 4, 8, 4)[i], (1, 7, 32, 128, 32)[i] if N < 16385 else 8
+                T = min(T, N)
+                visible = [N - T + 1 + t for t in range(T)]
+                cap, M = N + 29, N + (3 if N % 2 else 0)
+                q = mx.array(rng.standard_normal((1, 4 * G, T, D)), getattr(mx, dtype))
+                k = mx.array(2 * rng.standard_normal((1, 4, cap, D)), getattr(mx, dtype))
+                score = mx.array(rng.random((1, 4, M)), mx.float32)
+                count = mx.array(rng.integers(0, 50, (1, 4, M)), mx.float32)
+                got = queue_fold(q, k, visible, 0.3, score, count, poison=NAN)
+                mx.eval(got)
+                ref = queue_fold_ref64(*(to_np(a) for a in (q, k)), visible, 0.3,
+                                       to_np(score), to_np(count))
+                ok = (np.array_equal(np.array(got[1]), ref[1])
+                      and np.allclose(np.array(got[0]), ref[0], rtol=2e-5, atol=2e-5))
+                fails += not ok
+                print(f"queue fold N={N} D={D} {dtype} G={G} T={T}: {'ok' if ok else 'FAIL'}")
+    return fails
+
+
 def warm(quick: bool, shard: int, jobs: int):
     """Compile this shard's kernels (MLX caches them on disk for the checker)."""
     cases = [c for group in attention_cases(quick).values() for c in group]
@@ -325,6 +353,7 @@ def main():
         warm_all(args.quick, args.jobs)
     fails = 0 if args.skip_attention else run_attention(args.quick, seed)
     fails += run_fold(seed)
+    fails += run_queue_fold(args.quick, seed)
     fails += run_fused(args.fused_steps, seed)
     print(f"total failures: {fails}  ({time.time() - t0:.0f} s)")
     return 1 if fails else 0

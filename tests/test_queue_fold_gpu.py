@@ -17,28 +17,10 @@ from mlx_h2o import H2OConfig, H2OKVCache
 from mlx_h2o.cache.deferred import QueuedQuery, batch_fold
 from mlx_h2o.kernels import build, queued, source
 from mlx_h2o.kernels.queued import queue_fold, queue_fold_supported
-from mlx_h2o.kernels.testing import to_np
+from mlx_h2o.kernels.testing import queue_fold_ref64, to_np
 
 needs_gpu = pytest.mark.skipif(build.gpu_backend() is None,
                                reason="needs MLX with Metal or CUDA")
-
-
-def ref_fold(q, k, visible, scale, score, count):
-    """float64 (score, count) plus the queued queries' softmax averaged over
-    each GQA group and summed over the queries; numpy in and out."""
-    B, Hq, T, D = q.shape
-    Hk, M = k.shape[1], score.shape[-1]
-    G = Hq // Hk
-    logits = (q.reshape(B, Hk, G * T, D) @ k.swapaxes(-1, -2)) * scale  # (B, Hk, G*T, cap)
-    vis = np.arange(k.shape[2])[None] < np.tile(np.asarray(visible), G)[:, None]
-    logits = np.where(vis, logits, -np.inf)
-    p = np.exp(logits - logits.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    m = min(M, k.shape[2])
-    step, seen = np.zeros((B, Hk, M)), np.zeros(M)
-    step[..., :m] = p.sum(2)[..., :m] / G
-    seen[:m] = vis[:T].sum(0)[:m]
-    return score + step, count + seen
 
 
 def case(rng, dtype, B, Hq, Hk, D, cap, M, visible):
@@ -67,6 +49,19 @@ def test_not_supported_without_gpu_or_for_odd_shapes():
     assert not queue_fold_supported(mx.zeros((1, 32, 200, 64)), mx.zeros((1, 2, 16, 64)))
 
 
+def test_reference_equals_the_ops_fold():
+    """The float64 reference is what the cache's ops fold computes."""
+    rng = np.random.default_rng(11)
+    visible = [40, 41, 42, 17]
+    q, k, score, count = case(rng, mx.float32, 2, 8, 2, 16, 45, 44, visible)
+    items = [QueuedQuery(q[:, :, t:t + 1], v, 0, 0.4) for t, v in enumerate(visible)]
+    step, seen = batch_fold(items, k[..., :44, :])
+    want_s, want_c = queue_fold_ref64(to_np(q), to_np(k), visible, 0.4, to_np(score),
+                                      to_np(count))
+    np.testing.assert_allclose(np.array(score + step), want_s, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.array(count + seen), want_c)
+
+
 @needs_gpu
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 @pytest.mark.parametrize("D,Hq,Hk", [(64, 8, 8), (80, 16, 8), (96, 8, 2), (128, 32, 8),
@@ -81,7 +76,7 @@ def test_queue_fold_matches_float64(dtype, D, Hq, Hk, n, T):
     cap, M = n + 37, n + (0 if n % 2 else 5)  # M < cap: metadata after a compaction
     q, k, score, count = case(rng, dtype, B, Hq, Hk, D, cap, M, visible)
     got_s, got_c = queue_fold(q, k, visible, 0.3, score, count, poison=float("nan"))
-    want_s, want_c = ref_fold(to_np(q), to_np(k), visible, 0.3, to_np(score), to_np(count))
+    want_s, want_c = queue_fold_ref64(to_np(q), to_np(k), visible, 0.3, to_np(score), to_np(count))
     np.testing.assert_array_equal(np.array(got_c), want_c)
     np.testing.assert_allclose(np.array(got_s), want_s, rtol=2e-5, atol=2e-5)
 
@@ -92,7 +87,7 @@ def test_queue_fold_any_visible_counts():
     visible = [300, 5, 129, 1, 300, 77]  # not consecutive, repeated, first slot only
     q, k, score, count = case(rng, mx.float32, 1, 8, 4, 64, 300, 300, visible)
     got_s, got_c = queue_fold(q, k, visible, 0.5, score, count, poison=float("nan"))
-    want_s, want_c = ref_fold(to_np(q), to_np(k), visible, 0.5, to_np(score), to_np(count))
+    want_s, want_c = queue_fold_ref64(to_np(q), to_np(k), visible, 0.5, to_np(score), to_np(count))
     np.testing.assert_array_equal(np.array(got_c), want_c)
     np.testing.assert_allclose(np.array(got_s), want_s, rtol=2e-5, atol=2e-5)
     items = [QueuedQuery(q[:, :, t:t + 1], v, 0, 0.5) for t, v in enumerate(visible)]

@@ -151,3 +151,23 @@ def check_case(case: Case, seed: int, fn):
     tol = {"out": OUT_TOL[case.dtype], "logits": LOGIT_TOL, "lse": LSE_TOL}
     ok = all(errs[n] <= tol[n] for n in errs) and out.dtype == q.dtype
     return ok, errs
+
+
+def queue_fold_ref64(q, k, visible, scale, score, count):
+    """float64 (score, count) after kernels/queued.queue_fold: the queued
+    queries' softmax over the slots each sees, averaged over each GQA group
+    and summed over the queries, and how many queries saw each slot. numpy
+    arrays in and out; ``k`` is the whole buffer (B, Hk, cap, D)."""
+    B, Hq, T, D = q.shape
+    Hk, cap, M = k.shape[1], k.shape[2], score.shape[-1]
+    G = Hq // Hk
+    logits = (q.reshape(B, Hk, G * T, D) @ k.swapaxes(-1, -2)) * scale  # (B, Hk, G*T, cap)
+    vis = np.arange(cap)[None] < np.tile(np.asarray(visible), G)[:, None]  # rows g * T + t
+    logits = np.where(vis, logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    m = min(M, cap)
+    step, seen = np.zeros((B, Hk, M)), np.zeros(M)
+    step[..., :m] = p.sum(2)[..., :m] / G
+    seen[:m] = vis[:T].sum(0)[:m]
+    return score + step, count + seen
