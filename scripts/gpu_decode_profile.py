@@ -192,7 +192,8 @@ def decode_split(model, cache, context, steps, profile=False):
     ms = lambda v: statistics.median(v) * 1e3  # noqa: E731
     if prof:
         s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(14)
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(20)
+        pstats.Stats(prof, stream=s).sort_stats("cumtime").print_stats("mlx_h2o", 30)
         print(s.getvalue())
     return ms(build), ms(disp), total * 1e3, ms(sync)
 
@@ -290,6 +291,8 @@ def main():
     p.add_argument("--skip-calls", action="store_true")
     p.add_argument("--layer-only", action="store_true", help="only the one-layer costs")
     p.add_argument("--rounds", type=int, default=2, help="model decode repetitions")
+    p.add_argument("--profile", nargs="*", default=["h2o_evict"],
+                   help="strategies to cProfile in the second repetition")
     args = p.parse_args()
     print(f"mlx {mx.__version__}, device {mx.default_device()}")
     if not args.skip_calls:
@@ -302,7 +305,7 @@ def main():
     for rep in range(args.rounds):
         for name, make in strategies(model, args.context, args.budget).items():
             b, d, t, s = decode_split(model, make(), args.context, args.steps,
-                                      profile=(rep == 1 and name == "h2o_evict"))
+                                      profile=(rep == 1 and name in args.profile))
             print(f"rep={rep} {name:>13}: build {b:6.2f} ms  dispatch {d:6.2f} ms  "
                   f"pipelined {t:6.2f} ms/step ({1e3 / t:6.1f} tok/s)  synced {s:6.2f} ms", flush=True)
 
