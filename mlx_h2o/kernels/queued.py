@@ -93,6 +93,25 @@ DOT = r"""
         }
 """
 
+# For each of this thread's keys j and each staged row r that sees it: the
+# logit x (the code between EACH_LOGIT and END_EACH runs per (j, r)).
+EACH_LOGIT = r"""
+    H2O_UNROLL
+    for (int u = 0; u < KPT; ++u) {
+      const int j = j0 + u * NT + tid;
+      if (j < nmax) {
+$DOT
+        H2O_UNROLL
+        for (int r = 0; r < RC; ++r) {
+          const int row = r0 + r;
+          if (row < NR && j < vis[row % TQ]) {
+            const float x = acc[r] * scale;
+""".strip("\n")
+END_EACH = """          }
+        }
+      }
+    }"""
+
 PASS1 = r"""
   H2O_SHARED float red[NW * RC * 2];
   const i64 pbase = ((i64)bh * NS + split) * NR;
@@ -112,25 +131,14 @@ $STAGE
       m[r] = -H2O_INF;
       s[r] = 0.0f;
     }
-    for (int u = 0; u < KPT; ++u) {
-      const int j = j0 + u * NT + tid;
-      if (j < nmax) {
-$DOT
-        H2O_UNROLL
-        for (int r = 0; r < RC; ++r) {
-          const int row = r0 + r;
-          if (row < NR && j < vis[row % TQ]) {
-            const float x = acc[r] * scale;
+$EACH_LOGIT
             if (x > m[r]) {
               s[r] = s[r] * H2O_EXP(m[r] - x) + 1.0f;
               m[r] = x;
             } else {
               s[r] += H2O_EXP(x - m[r]);
             }
-          }
-        }
-      }
-    }
+$END_EACH
     H2O_UNROLL
     for (int r = 0; r < RC; ++r) {
       float mr = m[r];
@@ -177,18 +185,9 @@ PASS2 = r"""
     }
     for (int r0 = 0; r0 < NR; r0 += RC) {
 $STAGE
-      H2O_UNROLL
-      for (int u = 0; u < KPT; ++u) {
-        const int j = j0 + u * NT + tid;
-        if (j < nmax) {
-$DOT
-          H2O_UNROLL
-          for (int r = 0; r < RC; ++r) {
-            const int row = r0 + r;
-            if (row < NR && j < vis[row % TQ]) sc[u] += H2O_EXP(acc[r] * scale - lse[row]);
-          }
-        }
-      }
+$EACH_LOGIT
+            sc[u] += H2O_EXP(x - lse[row]);
+$END_EACH
     }
   }
   H2O_UNROLL
@@ -220,6 +219,7 @@ def pass_source(backend: str, second: bool) -> Tuple[str, str]:
     consts = f"constexpr int NT = {NT};\nconstexpr int RC = {RC};\nconstexpr int KPT = {KPT};\n"
     consts += f"constexpr int MAX_ROWS = {MAX_ROWS};\n"
     body = (SETUP.replace("$IDS", ids) + (PASS2 if second else PASS1))
+    body = body.replace("$EACH_LOGIT", EACH_LOGIT).replace("$END_EACH", END_EACH)
     body = body.replace("$STAGE", STAGE).replace("$DOT", DOT)
     return header + F4[backend] + consts, body
 
