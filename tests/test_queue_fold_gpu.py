@@ -47,6 +47,9 @@ def test_not_supported_without_gpu_or_for_odd_shapes():
         assert not queue_fold_supported(q, k)
     assert not queue_fold_supported(mx.zeros((1, 8, 4, 60)), mx.zeros((1, 2, 16, 60)))
     assert not queue_fold_supported(mx.zeros((1, 32, 200, 64)), mx.zeros((1, 2, 16, 64)))
+    # 16 query heads per KV head: a queue of 128 is 2048 rows, of 129 too many
+    one = mx.zeros((1, 32, 1, 64))
+    assert not queue_fold_supported(one, mx.zeros((1, 2, 16, 64)), queued=129)
 
 
 def test_reference_equals_the_ops_fold():
@@ -106,6 +109,19 @@ def test_queue_fold_rejects_bad_input(bad):
         k = k.astype(mx.float32)
     with pytest.raises(ValueError, match="queue_fold"):
         queue_fold(q, k, visible, 0.1, score, count)
+
+
+@needs_gpu
+def test_cache_keeps_the_ops_fold_when_a_queue_has_too_many_rows():
+    """32 query heads per KV head: a full queue (128) is more rows than the
+    kernel takes, so the cache keeps the ops fold and its memory bound."""
+    cache = H2OKVCache(H2OConfig(max_size=512))
+    q = mx.zeros((1, 64, 1, 16))
+    for L in (5, 1, 1):
+        keys, values = cache.update_and_fetch(mx.ones((1, 2, L, 16)), mx.ones((1, 2, L, 16)))
+        cache.h2o_attention(q if L == 1 else mx.zeros((1, 64, L, 16)), keys, values,
+                            scale=0.25, mask=cache.make_mask(L))
+    assert queue_fold_supported(q, keys) and not cache._queue_kernel
 
 
 @needs_gpu

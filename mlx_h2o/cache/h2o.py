@@ -414,7 +414,8 @@ class H2OKVCache:
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
         width = 0  # the queue reads it at a fold's first push only
         if not self._queue.items:  # decided once per fold, not per step
-            self._queue_kernel = self.fold_queue_on_gpu and queue_fold_supported(queries, keys)
+            self._queue_kernel = self.fold_queue_on_gpu and queue_fold_supported(
+                queries, keys, queued=self._queue.steps)  # the kernel takes a full queue
             width = None if self._queue_kernel else self._fold_width(self._n)
         due = self._queue.push(queries, self._n, self.offset - 1, scale, width=width)
         self._meta_pending = self._pending = False  # the queue owns them now

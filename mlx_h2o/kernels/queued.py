@@ -236,11 +236,11 @@ def _make_pass_kernel(second: bool):
                    contiguous=True)
 
 
-def queue_fold_supported(queries: mx.array, keys: mx.array) -> bool:
+def queue_fold_supported(queries: mx.array, keys: mx.array, queued: int = 0) -> bool:
     """Whether queue_fold runs here for these queries (B, Hq, T, D) and K
-    buffer (B, Hk, cap, D)."""
+    buffer (B, Hk, cap, D); ``queued``: fold that many queries instead of T."""
     B, Hq, T, D = queries.shape
-    Hk = keys.shape[1]
+    Hk, T = keys.shape[1], queued or T
     return (gpu_backend() is not None and mx.default_device() == mx.gpu
             and queries.dtype in DTYPES and keys.dtype == queries.dtype
             and D % 8 == 0 and 8 <= D <= 256 and keys.shape[-1] == D
