@@ -3,7 +3,7 @@
     python3 scripts/bench_queue_fold.py [--ns 4096 16384 32768] [--queued 32 128]
         [--heads 32 8] [--dim 128] [--reps 20]
 
-Per (N, queued queries): ms per fold of ``queue_fold`` (two launches) and of
+Per (N, queued queries): ms per fold of ``queue_fold`` (three launches) and of
 the ops fold the cache uses elsewhere (``deferred.batch_fold`` plus the score
 update), each as the median over ``--reps`` timed evaluations, interleaved;
 the kernel's FP32 throughput (2 passes x rows x N x D multiply-adds). B=1,

@@ -2,8 +2,8 @@
 
 Catches compile errors before GPU time is spent. Each (label, header, body) of
 mlx_h2o.kernels.build.all_sources("cuda") (and any other build.*_sources),
-each quantized attention kernel of kernels/quantized_gpu.py and the two passes
-of kernels/queued.py, is wrapped as MLX
+each quantized attention kernel of kernels/quantized_gpu.py and the three
+kernels of kernels/queued.py, is wrapped as MLX
 0.32.4's CUDA custom kernel builder does (mlx/backend/cuda/custom_kernel.cpp,
 build_kernel), with the template constants and dtypes the launch code passes,
 and compiled for sm_90 as MLX's JIT does (jit_module.cpp): MLX's device
@@ -222,12 +222,13 @@ def write_kernels(D: int) -> List[Kernel]:
 
 
 def queue_fold_kernels(D: int, G: int) -> List[Kernel]:
-    """queue_fold's two passes."""
-    types = {"vis": "int32_t", "part": "float"}
-    return [Kernel(f"qfold pass={2 if second else 1}",
-                   *queued.pass_source("cuda", second), *queued.pass_names(second),
-                   lambda dt: [("T", dt), ("D", D), ("G", G)], types)
-            for second in (False, True)]
+    """queued.py's three kernels (the merge takes no template constants)."""
+    types = {"vis": "int32_t", "part": "float", "lse": "float", "lse_in": "float"}
+    return [Kernel(f"qfold kind={kind}", *queued.pass_source("cuda", kind),
+                   *queued.pass_names(kind),
+                   (lambda dt: []) if kind == "merge" else
+                   (lambda dt: [("T", dt), ("D", D), ("G", G)]), types)
+            for kind in queued.KINDS]
 
 
 # --- MLX's JIT headers ----------------------------------------------------------

@@ -32,12 +32,12 @@ def case(rng, dtype, B, Hq, Hk, D, cap, M, visible):
 
 
 def test_source_shares_the_body():
-    for second in (False, True):
-        _, cuda = queued.pass_source("cuda", second)
-        _, metal = queued.pass_source("metal", second)
+    for kind in queued.KINDS:
+        _, cuda = queued.pass_source("cuda", kind)
+        _, metal = queued.pass_source("metal", kind)
         assert "$" not in cuda and cuda.count("{") == cuda.count("}")
         assert cuda.replace(source.CUDA_IDS, "") == metal.replace(source.METAL_IDS, "")
-        inputs, outputs = queued.pass_names(second)
+        inputs, outputs = queued.pass_names(kind)
         assert all(n in cuda for n in inputs + outputs)
 
 

@@ -71,7 +71,7 @@ class H2OKVCache:
     # Queue folds read n rounded up to config.step slots (fixed shapes); False
     # reads exactly n (kept to compare the two in benchmarks).
     fixed_fold_width = True
-    # On a GPU, queue folds run kernels/queued.py: two launches that write
+    # On a GPU, queue folds run kernels/queued.py: three launches that write
     # no logits (False: the ops fold, kept to compare the two in benchmarks).
     fold_queue_on_gpu = True
     # Evicting decode steps folded with other layers' in one launch per token

@@ -1,15 +1,16 @@
-"""Fold queued decode queries into the summed H2O scores in two launches.
+"""Fold queued decode queries into the summed H2O scores in three launches.
 
 cache/deferred.py keeps the decode queries of a cache below its budget and
 folds them every few steps. In plain ops that fold materializes float32
 logits, their softmax and a float32 copy of K: at 16K context and 32
 queries about 330 MB of transients per fold, which cost an H100 decode
 3.5-4 ms per token (docs/GPU.md, session 11). These kernels never write a
-logit: pass 1 gives each block (sequence, KV head, key split) and writes
-every query row's partial (max, sum exp) over its keys; pass 2 merges the
-splits into each row's lse, recomputes the logits and adds each slot's
-probability, averaged over the GQA group and summed over the queries, to
-``score``, and the number of queries that saw it to ``count``.
+logit: "partials" gives each block (sequence, KV head, key split) and
+writes every query row's partial (max, sum exp) over its keys; "merge"
+turns each row's partials into its lse; "fold" recomputes the logits and
+adds each slot's probability, averaged over the GQA group and summed over
+the queries, to ``score``, and the number of queries that saw it to
+``count``.
 
 Rows of a block are (g, t) of its KV head: query head hk * G + g, queued
 query t, which sees slots < vis[t]. A thread owns one key at a time and
@@ -29,7 +30,7 @@ from .decode import DTYPES
 
 NT = 128
 RC = 8
-KPT = 4
+KPT = 1  # one key per thread: blocks enough to fill a GPU at 4K slots
 MAX_ROWS = 2048  # G * queued queries: pass 2 keeps one lse per row in shared memory
 
 # float4 constructor of each backend (the shared body stages q as float4).
@@ -165,6 +166,25 @@ $END_EACH
   }
 """
 
+# The splits' partials of each row merged into its lse, a thread per row.
+MERGE = r"""
+$IDS
+  const int NS = part_shape[1];
+  const int NR = part_shape[2];
+  const i64 i = (i64)blk_x * NT + tid;  // b * HK * NR + hk * NR + row
+  if (i < (i64)part_shape[0] * NR) {
+    const i64 pr = (i / NR) * NS * NR + i % NR;
+    float mb = -H2O_INF;
+    for (int sp = 0; sp < NS; ++sp) mb = H2O_FMAX(mb, part[(pr + (i64)sp * NR) * 2]);
+    float sb = 0.0f;
+    for (int sp = 0; sp < NS; ++sp) {
+      const float sw = part[(pr + (i64)sp * NR) * 2 + 1];
+      sb += sw > 0.0f ? sw * H2O_EXP(part[(pr + (i64)sp * NR) * 2] - mb) : 0.0f;
+    }
+    lse[i] = mb + H2O_LOG(sb);
+  }
+"""
+
 PASS2 = r"""
   H2O_SHARED float lse[MAX_ROWS];
   const int M = score_in_shape[2];
@@ -172,17 +192,7 @@ PASS2 = r"""
   H2O_UNROLL
   for (int u = 0; u < KPT; ++u) sc[u] = 0.0f;  // unrolled u loops keep sc in registers
   if (j0 < nmax) {
-    for (int r = tid; r < NR; r += NT) {  // merge the splits of row r
-      const i64 pr = (i64)bh * NS * NR + r;
-      float mb = -H2O_INF;
-      for (int sp = 0; sp < NS; ++sp) mb = H2O_FMAX(mb, part[(pr + (i64)sp * NR) * 2]);
-      float sb = 0.0f;
-      for (int sp = 0; sp < NS; ++sp) {
-        const float sw = part[(pr + (i64)sp * NR) * 2 + 1];
-        sb += sw > 0.0f ? sw * H2O_EXP(part[(pr + (i64)sp * NR) * 2] - mb) : 0.0f;
-      }
-      lse[r] = mb + H2O_LOG(sb);
-    }
+    for (int r = tid; r < NR; r += NT) lse[r] = lse_in[(i64)bh * NR + r];
     for (int r0 = 0; r0 < NR; r0 += RC) {
 $STAGE
 $EACH_LOGIT
@@ -204,36 +214,42 @@ $END_EACH
 """
 
 
-def pass_names(second: bool):
-    """Input and output names of pass 1 (partials) or pass 2 (the fold)."""
+KINDS = ("partials", "merge", "fold")
+
+
+def pass_names(kind: str):
+    """Input and output names of the partials, merge or fold kernel."""
     inputs = ["q", "k", "vis", "prm_f"]
-    if second:
-        return inputs + ["part", "score_in", "count_in"], ["score_out", "count_out"]
+    if kind == "merge":
+        return ["part"], ["lse"]
+    if kind == "fold":
+        return inputs + ["lse_in", "score_in", "count_in"], ["score_out", "count_out"]
     return inputs, ["part"]
 
 
-def pass_source(backend: str, second: bool) -> Tuple[str, str]:
-    """(header, body) of one pass for ``backend``."""
+def pass_source(backend: str, kind: str) -> Tuple[str, str]:
+    """(header, body) of one kernel (``KINDS``) for ``backend``."""
     header, ids = (src.CUDA_HEADER, src.CUDA_IDS) if backend == "cuda" else (
         src.METAL_HEADER, src.METAL_IDS)
     consts = f"constexpr int NT = {NT};\nconstexpr int RC = {RC};\nconstexpr int KPT = {KPT};\n"
     consts += f"constexpr int MAX_ROWS = {MAX_ROWS};\n"
-    body = (SETUP.replace("$IDS", ids) + (PASS2 if second else PASS1))
+    if kind == "merge":
+        return header + consts, MERGE.replace("$IDS", ids)
+    body = SETUP.replace("$IDS", ids) + (PASS2 if kind == "fold" else PASS1)
     body = body.replace("$EACH_LOGIT", EACH_LOGIT).replace("$END_EACH", END_EACH)
     body = body.replace("$STAGE", STAGE).replace("$DOT", DOT)
     return header + F4[backend] + consts, body
 
 
 @lru_cache(maxsize=None)
-def _make_pass_kernel(second: bool):
-    """Pass-1 or pass-2 kernel, or None without a GPU backend. Queries, K and
-    the scores are indexed flat, so inputs are made row-contiguous."""
+def _make_pass_kernel(kind: str):
+    """The ``kind`` kernel, or None without a GPU backend. Queries, K and the
+    scores are indexed flat, so inputs are made row-contiguous."""
     backend = gpu_backend()
     if backend is None:
         return None
-    name = f"h2o_qfold{2 if second else 1}"
-    return _kernel(backend, name, pass_names(second), *pass_source(backend, second),
-                   contiguous=True)
+    return _kernel(backend, f"h2o_qfold_{kind}", pass_names(kind),
+                   *pass_source(backend, kind), contiguous=True)
 
 
 def queue_fold_supported(queries: mx.array, keys: mx.array, queued: int = 0) -> bool:
@@ -275,14 +291,17 @@ def queue_fold(queries: mx.array, keys: mx.array, visible: Sequence[int], scale:
                          f"{score.shape} (backend={gpu_backend()})")
     template = [("T", queries.dtype), ("D", D), ("G", Hq // Hk)]
     grid = (B * Hk * NT, -(-M // (KPT * NT)), 1)
+    rows = (Hq // Hk) * T
     inputs = [queries, keys, mx.array(visible, mx.int32), _scale_array(float(scale))]
-    f32 = mx.float32
-    (part,) = _make_pass_kernel(False)(
-        inputs=inputs, template=template, grid=grid, threadgroup=(NT, 1, 1),
-        output_shapes=[(B * Hk, grid[1], (Hq // Hk) * T, 2)], output_dtypes=[f32],
-        init_value=poison)
-    score, count = _make_pass_kernel(True)(
-        inputs=inputs + [part, score, count], template=template, grid=grid,
-        threadgroup=(NT, 1, 1), output_shapes=[(B, Hk, M)] * 2, output_dtypes=[f32, f32],
+    f32, block = mx.float32, (NT, 1, 1)
+    (part,) = _make_pass_kernel("partials")(
+        inputs=inputs, template=template, grid=grid, threadgroup=block,
+        output_shapes=[(B * Hk, grid[1], rows, 2)], output_dtypes=[f32], init_value=poison)
+    (lse,) = _make_pass_kernel("merge")(
+        inputs=[part], grid=(-(-B * Hk * rows // NT) * NT, 1, 1), threadgroup=block,
+        output_shapes=[(B * Hk, rows)], output_dtypes=[f32], init_value=poison)
+    score, count = _make_pass_kernel("fold")(
+        inputs=inputs + [lse, score, count], template=template, grid=grid,
+        threadgroup=block, output_shapes=[(B, Hk, M)] * 2, output_dtypes=[f32, f32],
         init_value=poison)
     return score, count
