@@ -125,13 +125,12 @@ PASS1 = r"""
       continue;
     }
 $STAGE
-    float m[RC];
+    float m[RC];  // running max and sum of exp(x - max) of each staged row
     float s[RC];
     H2O_UNROLL
-    for (int r = 0; r < RC; ++r) {
-      m[r] = -H2O_INF;
-      s[r] = 0.0f;
-    }
+    for (int r = 0; r < RC; ++r) m[r] = -H2O_INF;
+    H2O_UNROLL
+    for (int r = 0; r < RC; ++r) s[r] = 0.0f;
 $EACH_LOGIT
             if (x > m[r]) {
               s[r] = s[r] * H2O_EXP(m[r] - x) + 1.0f;
