@@ -312,18 +312,25 @@ def run_queue_fold(quick: bool, seed: int) -> int:
     return fails
 
 
-def warm(quick: bool, shard: int, jobs: int):
+def warm(quick: bool, shard: int, jobs: int, attention: bool = True):
     """Compile this shard's kernels (MLX caches them on disk for the checker)."""
-    cases = [c for group in attention_cases(quick).values() for c in group]
+    cases = [c for group in attention_cases(quick).values() for c in group] if attention else []
     for case in cases[shard::jobs]:
         q, k, v, mask, sinks = make_inputs(case, 0)
         mx.eval(decode_attention(q, k, v, scale=0.1, mask=mask, sinks=sinks,
                                  num_splits=case.splits))
+    folds = [(i, D, dt) for i, D in enumerate(DS) for dt in DTYPES]  # run_queue_fold's builds
+    for i, D, dtype in folds[shard::jobs]:
+        G, dt = (1, 2, 4, 8, 4)[i], getattr(mx, dtype)
+        zero = mx.zeros((1, 4, 1))
+        mx.eval(queue_fold(mx.zeros((1, 4 * G, 1, D), dt), mx.zeros((1, 4, 1, D), dt), [1],
+                           0.3, zero, zero))
 
 
-def warm_all(quick: bool, jobs: int):
+def warm_all(quick: bool, jobs: int, attention: bool = True):
     t0 = time.time()
     cmd = [sys.executable, __file__, "--warm-jobs", str(jobs)] + (["--quick"] if quick else [])
+    cmd += [] if attention else ["--skip-attention"]
     procs = [subprocess.Popen(cmd + ["--warm-shard", str(i)]) for i in range(jobs)]
     codes = [p.wait() for p in procs]
     print(f"compiled kernels in {jobs} processes: {time.time() - t0:.0f} s, exit codes {set(codes)}")
@@ -341,7 +348,7 @@ def main():
     p.add_argument("--warm-jobs", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.warm_shard is not None:
-        warm(args.quick, args.warm_shard, args.warm_jobs)
+        warm(args.quick, args.warm_shard, args.warm_jobs, not args.skip_attention)
         return 0
     if gpu_backend() is None:
         print("no GPU backend (mx.metal / mx.cuda unavailable): nothing to check")
@@ -349,8 +356,8 @@ def main():
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(3), "little")
     print(f"backend={gpu_backend()} mlx={mx.__version__} seed={seed}")
     t0 = time.time()
-    if args.jobs > 1 and not args.skip_attention:
-        warm_all(args.quick, args.jobs)
+    if args.jobs > 1:
+        warm_all(args.quick, args.jobs, not args.skip_attention)
     fails = 0 if args.skip_attention else run_attention(args.quick, seed)
     fails += run_fold(seed)
     fails += run_queue_fold(args.quick, seed)
