@@ -439,10 +439,11 @@ class H2OKVCache:
         # Queued tokens are consecutive (anything else folds the queue first);
         # their slots' scores are zero (fresh buffer, or zeroed by trim).
         self._positions[..., first:n] = mx.arange(items[0].position, items[0].position + n - first)
-        queries, keys = queued_queries(items), self.kv.dense_keys(self.kv.capacity)
-        if self._queue_kernel and queue_fold_supported(queries, keys):
+        keys = self.kv.dense_keys(self.kv.capacity)
+        if self._queue_kernel and queue_fold_supported(items[0].queries, keys, len(items)):
             self._score, self._count = queue_fold(
-                queries, keys, [it.n for it in items], items[0].scale, self._score, self._count)
+                queued_queries(items), keys, [it.n for it in items], items[0].scale,
+                self._score, self._count)
             return
         w = self._fold_width(n)
         step, seen = batch_fold(items, self.kv.dense_keys(w))
