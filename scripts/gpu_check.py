@@ -35,6 +35,8 @@ NS = (1, 97, 257, 1025, 4097, 16385, 32768)
 DS = (64, 80, 96, 128, 256)
 DTYPES = ("float16", "bfloat16", "float32")
 NAN = float("nan")
+# The queue-fold cases: query heads per KV head and queue length by head dim.
+QUEUE_CASES = dict(zip(DS, zip((1, 2, 4, 8, 4), (1, 7, 32, 128, 32))))
 
 
 def attention_cases(quick: bool):
@@ -291,10 +293,9 @@ def run_queue_fold(quick: bool, seed: int) -> int:
     dim, queues of 1-128 queries, K buffers longer than N, outputs poisoned)."""
     rng, fails = np.random.default_rng(seed), 0
     for N in NS[:4] if quick else NS:
-        for i, D in enumerate(DS):
+        for D, (G, T) in QUEUE_CASES.items():
             for dtype in DTYPES:
-                G, T = (1, 2, 4, 8, 4)[i], (1, 7, 32, 128, 32)[i] if N < 16385 else 8
-                T = min(T, N)
+                T = min(T if N < 16385 else 8, N)
                 visible = [N - T + 1 + t for t in range(T)]
                 cap, M = N + 29, N + (3 if N % 2 else 0)
                 q = mx.array(rng.standard_normal((1, 4 * G, T, D)), getattr(mx, dtype))
@@ -319,10 +320,9 @@ def warm(quick: bool, shard: int, jobs: int, attention: bool = True):
         q, k, v, mask, sinks = make_inputs(case, 0)
         mx.eval(decode_attention(q, k, v, scale=0.1, mask=mask, sinks=sinks,
                                  num_splits=case.splits))
-    folds = [(i, D, dt) for i, D in enumerate(DS) for dt in DTYPES]  # run_queue_fold's builds
-    for i, D, dtype in folds[shard::jobs]:
-        G, dt = (1, 2, 4, 8, 4)[i], getattr(mx, dtype)
-        zero = mx.zeros((1, 4, 1))
+    folds = [(D, G, dt) for D, (G, _) in QUEUE_CASES.items() for dt in DTYPES]
+    for D, G, dtype in folds[shard::jobs]:  # run_queue_fold's builds
+        dt, zero = getattr(mx, dtype), mx.zeros((1, 4, 1))
         mx.eval(queue_fold(mx.zeros((1, 4 * G, 1, D), dt), mx.zeros((1, 4, 1, D), dt), [1],
                            0.3, zero, zero))
 

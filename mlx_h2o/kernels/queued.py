@@ -24,9 +24,8 @@ from typing import Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from . import source as src
-from .build import _kernel, gpu_backend
-from .decode import DTYPES
+from .build import _kernel, _prelude, gpu_backend
+from .decode import DTYPES, params_f
 
 NT = 128
 RC = 8
@@ -228,8 +227,7 @@ def pass_names(kind: str):
 
 def pass_source(backend: str, kind: str) -> Tuple[str, str]:
     """(header, body) of one kernel (``KINDS``) for ``backend``."""
-    header, ids = (src.CUDA_HEADER, src.CUDA_IDS) if backend == "cuda" else (
-        src.METAL_HEADER, src.METAL_IDS)
+    header, ids = _prelude(backend)
     consts = f"constexpr int NT = {NT};\nconstexpr int RC = {RC};\nconstexpr int KPT = {KPT};\n"
     consts += f"constexpr int MAX_ROWS = {MAX_ROWS};\n"
     if kind == "merge":
@@ -262,11 +260,6 @@ def queue_fold_supported(queries: mx.array, keys: mx.array, queued: int = 0) -> 
             and keys.shape[0] == B and Hq % Hk == 0 and (Hq // Hk) * T <= MAX_ROWS)
 
 
-@lru_cache(maxsize=64)
-def _scale_array(scale: float) -> mx.array:
-    return mx.array([scale], mx.float32)
-
-
 def queue_fold(queries: mx.array, keys: mx.array, visible: Sequence[int], scale: float,
                score: mx.array, count: mx.array, *,
                poison: Optional[float] = None) -> Tuple[mx.array, mx.array]:
@@ -291,7 +284,8 @@ def queue_fold(queries: mx.array, keys: mx.array, visible: Sequence[int], scale:
     template = [("T", queries.dtype), ("D", D), ("G", Hq // Hk)]
     grid = (B * Hk * NT, -(-M // (KPT * NT)), 1)
     rows = (Hq // Hk) * T
-    inputs = [queries, keys, mx.array(visible, mx.int32), _scale_array(float(scale))]
+    # prm_f[0] is the scale (decode's parameter row, cached per scale)
+    inputs = [queries, keys, mx.array(visible, mx.int32), params_f(float(scale))]
     f32, block = mx.float32, (NT, 1, 1)
     (part,) = _make_pass_kernel("partials")(
         inputs=inputs, template=template, grid=grid, threadgroup=block,
