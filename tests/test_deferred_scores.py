@@ -203,6 +203,20 @@ def test_batch_logits_match_the_reference_per_step():
     np.testing.assert_array_equal(np.array(z + seen), np.array(cs))
 
 
+def test_queue_bound_is_set_per_fold(monkeypatch):
+    monkeypatch.setattr(deferred, "MAX_LOGITS", 2 * HQ * 40)  # B=2: 40 slots x 1 query
+    q = mx.zeros((2, HQ, 1, D))
+    queue = ScoreQueue(steps=8)
+    queue.start(q, 30, width=16)  # the ops fold may read 30 + 8 slots: one query
+    assert queue.push(q, 30, 29, 0.3)
+    queue.take()
+    queue.start(q, 30, width=None)  # the fold kernel: only steps bounds the queue
+    assert not any(queue.push(q, 30 + t, 29 + t, 0.3) for t in range(7))
+    assert queue.push(q, 37, 36, 0.3)
+    assert len(queue.take()) == 8
+    assert not queue.push(q, 38, 37, 0.3)  # take() restores the steps bound
+
+
 def test_queue_rejects_bad_steps():
     with pytest.raises(ValueError, match="steps must be >= 1"):
         ScoreQueue(0)

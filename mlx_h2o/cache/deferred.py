@@ -46,23 +46,26 @@ class ScoreQueue:
     def __len__(self) -> int:
         return len(self.items)
 
-    def push(self, queries: mx.array, n: int, position: int, scale: float,
-             width: Optional[int] = 0) -> bool:
-        """Queue one decode query; True when the queue should be folded now.
-        ``width`` (read at a fold's first push): slots the ops fold reads at
-        that point; None: the fold kernel (kernels/queued.py) runs, whose
-        memory does not grow with the queue, so only ``steps`` bounds it."""
+    def start(self, queries: mx.array, n: int, width: Optional[int]) -> None:
+        """Bound the fold whose first query comes next (set once per fold: no
+        shape reads per decode step). ``n``: slots in use now; ``width``: slots
+        the ops fold reads then, whose float32 logits grow with the queue
+        (MAX_LOGITS bounds them); None: the fold kernel (kernels/queued.py)
+        runs, whose memory does not grow with the queue, so ``steps`` alone
+        bounds it."""
+        self._limit = self.steps
+        if width is not None:
+            B, Hq = queries.shape[:2]
+            most = max(n + self.steps, width)  # slots the fold may read
+            self._limit = max(1, min(self.steps, MAX_LOGITS // (B * Hq * most)))
+
+    def push(self, queries: mx.array, n: int, position: int, scale: float) -> bool:
+        """Queue one decode query; True when the queue should be folded now."""
         self.items.append(QueuedQuery(queries, n, position, scale))
-        if len(self.items) == 1:  # one bound per fold: no shape reads per step
-            self._limit = self.steps
-            if width is not None:
-                B, Hq = queries.shape[:2]
-                most = max(n + self.steps, width)  # slots the fold may read
-                self._limit = max(1, min(self.steps, MAX_LOGITS // (B * Hq * most)))
         return len(self.items) + self._head_start >= self._limit
 
     def take(self) -> List[QueuedQuery]:
-        items, self.items, self._head_start = self.items, [], 0
+        items, self.items, self._head_start, self._limit = self.items, [], 0, self.steps
         return items
 
 

@@ -412,12 +412,12 @@ class H2OKVCache:
 
     def _deferred_attention(self, queries, keys, values, scale):
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
-        width = 0  # the queue reads it at a fold's first push only
         if not self._queue.items:  # decided once per fold, not per step
             self._queue_kernel = self.fold_queue_on_gpu and queue_fold_supported(
                 queries, keys, queued=self._queue.steps)  # the kernel takes a full queue
-            width = None if self._queue_kernel else self._fold_width(self._n)
-        due = self._queue.push(queries, self._n, self.offset - 1, scale, width=width)
+            self._queue.start(queries, self._n,
+                              None if self._queue_kernel else self._fold_width(self._n))
+        due = self._queue.push(queries, self._n, self.offset - 1, scale)
         self._meta_pending = self._pending = False  # the queue owns them now
         if due:
             self._fold_queue()
@@ -440,6 +440,8 @@ class H2OKVCache:
         # their slots' scores are zero (fresh buffer, or zeroed by trim).
         self._positions[..., first:n] = mx.arange(items[0].position, items[0].position + n - first)
         keys = self.kv.dense_keys(self.kv.capacity)
+        # Checked again: a read of the metadata can fold under another default
+        # device than the first push saw (e.g. a CPU stream); the ops fold runs there.
         if self._queue_kernel and queue_fold_supported(items[0].queries, keys, len(items)):
             self._score, self._count = queue_fold(
                 queued_queries(items), keys, [it.n for it in items], items[0].scale,
