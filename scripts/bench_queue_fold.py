@@ -3,11 +3,12 @@
     python3 scripts/bench_queue_fold.py [--ns 4096 16384 32768] [--queued 32 128]
         [--heads 32 8] [--dim 128] [--reps 20]
 
-Per (N, queued queries): ms per fold of ``queue_fold`` (three launches) and of
-the ops fold the cache uses elsewhere (``deferred.batch_fold`` plus the score
-update), each as the median over ``--reps`` timed evaluations, interleaved;
-the kernel's FP32 throughput (2 passes x rows x N x D multiply-adds). B=1,
-bfloat16 queries and K. Ends with a JSON line.
+Per (N, queued queries): ms per fold of ``queue_fold`` (three launches) with
+each tile of ``queued.TILES`` (threads per block x keys per thread; the
+default is ``queued.TILE``) and of the ops fold the cache uses elsewhere
+(``deferred.batch_fold`` plus the score update), each the median over
+``--reps`` timed evaluations; the kernel's FP32 throughput (2 passes x rows
+x N x D multiply-adds). B=1, bfloat16 queries and K. Ends with a JSON line.
 """
 
 import argparse
@@ -22,7 +23,7 @@ import mlx.core as mx
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mlx_h2o.cache.deferred import QueuedQuery, batch_fold  # noqa: E402
-from mlx_h2o.kernels.queued import queue_fold, queue_fold_supported  # noqa: E402
+from mlx_h2o.kernels.queued import TILES, queue_fold, queue_fold_supported  # noqa: E402
 
 
 def timed(fn, reps):
@@ -45,18 +46,19 @@ def case(N, T, Hq, Hk, D, reps):
     items = [QueuedQuery(q[:, :, t:t + 1], v, 0, D ** -0.5) for t, v in enumerate(visible)]
     mx.eval(q, k, score, count, *[it.queries for it in items])
 
-    def kernel():
-        return queue_fold(q, k, visible, D ** -0.5, score, count)
+    def kernel(tile):
+        return lambda: queue_fold(q, k, visible, D ** -0.5, score, count, tile=tile)
 
     def ops():
         step, seen = batch_fold(items, k[..., :N, :])
         return score[..., :N] + step, count[..., :N] + seen
 
-    ms_k = timed(kernel, reps)
+    ms = {f"{nt}x{kpt}": timed(kernel((nt, kpt)), reps) for nt, kpt in TILES}
     ms_o = timed(ops, reps)
     fma = 2 * Hq * T * N * D  # both passes
-    return {"N": N, "queued": T, "kernel_ms": ms_k, "ops_ms": ms_o,
-            "kernel_tflops": 2 * fma / ms_k / 1e9}
+    best = min(ms, key=ms.get)
+    return {"N": N, "queued": T, "kernel_ms": ms, "ops_ms": ms_o, "best": best,
+            "best_tflops": 2 * fma / ms[best] / 1e9}
 
 
 def main():
@@ -80,9 +82,10 @@ def main():
         for T in args.queued:
             r = case(N, T, Hq, Hk, D, args.reps)
             rows.append(r)
-            print(f"N={N} queued={T} kernel_ms={r['kernel_ms']:.3f} ops_ms={r['ops_ms']:.3f} "
-                  f"ratio={r['kernel_ms'] / r['ops_ms']:.3f} "
-                  f"kernel_tflops={r['kernel_tflops']:.1f}", flush=True)
+            tiles = " ".join(f"{t}={v:.3f}" for t, v in r["kernel_ms"].items())
+            print(f"N={N} queued={T} kernel_ms {tiles} ops_ms={r['ops_ms']:.3f} "
+                  f"best={r['best']} ratio={r['kernel_ms'][r['best']] / r['ops_ms']:.3f} "
+                  f"best_tflops={r['best_tflops']:.1f}", flush=True)
     print(json.dumps({"heads": [Hq, Hk], "D": D, "rows": rows}))
     return 0
 

@@ -26,7 +26,7 @@ from mlx_h2o.cache import H2OKVCache  # noqa: E402
 from mlx_h2o.config import H2OConfig  # noqa: E402
 from mlx_h2o.kernels import gpu_backend, h2o_decode_step, h2o_fold_step  # noqa: E402
 from mlx_h2o.kernels.decode import decode_attention  # noqa: E402
-from mlx_h2o.kernels.queued import queue_fold  # noqa: E402
+from mlx_h2o.kernels.queued import TILES, queue_fold  # noqa: E402
 from mlx_h2o.kernels.testing import (  # noqa: E402
     OUT_TOL, Case, check_case, make_inputs, queue_fold_ref64, rel_err, to_np,
 )
@@ -302,14 +302,16 @@ def run_queue_fold(quick: bool, seed: int) -> int:
                 k = mx.array(2 * rng.standard_normal((1, 4, cap, D)), getattr(mx, dtype))
                 score = mx.array(rng.random((1, 4, M)), mx.float32)
                 count = mx.array(rng.integers(0, 50, (1, 4, M)), mx.float32)
-                got = queue_fold(q, k, visible, 0.3, score, count, poison=NAN)
-                mx.eval(got)
                 ref = queue_fold_ref64(*(to_np(a) for a in (q, k)), visible, 0.3,
                                        to_np(score), to_np(count))
-                ok = (np.array_equal(np.array(got[1]), ref[1])
-                      and np.allclose(np.array(got[0]), ref[0], rtol=2e-5, atol=2e-5))
-                fails += not ok
-                print(f"queue fold N={N} D={D} {dtype} G={G} T={T}: {'ok' if ok else 'FAIL'}")
+                for tile in TILES:  # the default and those the benchmark compares
+                    got = queue_fold(q, k, visible, 0.3, score, count, poison=NAN, tile=tile)
+                    mx.eval(got)
+                    ok = (np.array_equal(np.array(got[1]), ref[1])
+                          and np.allclose(np.array(got[0]), ref[0], rtol=2e-5, atol=2e-5))
+                    fails += not ok
+                    print(f"queue fold N={N} D={D} {dtype} G={G} T={T} tile={tile[0]}x{tile[1]}: "
+                          f"{'ok' if ok else 'FAIL'}")
     return fails
 
 
@@ -320,11 +322,11 @@ def warm(quick: bool, shard: int, jobs: int, attention: bool = True):
         q, k, v, mask, sinks = make_inputs(case, 0)
         mx.eval(decode_attention(q, k, v, scale=0.1, mask=mask, sinks=sinks,
                                  num_splits=case.splits))
-    folds = [(D, G, dt) for D, (G, _) in QUEUE_CASES.items() for dt in DTYPES]
-    for D, G, dtype in folds[shard::jobs]:  # run_queue_fold's builds
+    folds = [(D, G, dt, t) for D, (G, _) in QUEUE_CASES.items() for dt in DTYPES for t in TILES]
+    for D, G, dtype, tile in folds[shard::jobs]:  # run_queue_fold's builds
         dt, zero = getattr(mx, dtype), mx.zeros((1, 4, 1))
         mx.eval(queue_fold(mx.zeros((1, 4 * G, 1, D), dt), mx.zeros((1, 4, 1, D), dt), [1],
-                           0.3, zero, zero))
+                           0.3, zero, zero, tile=tile))
 
 
 def warm_all(quick: bool, jobs: int, attention: bool = True):

@@ -1,7 +1,7 @@
 #!/bin/sh
 # One device call: install MLX CUDA (if given), then check and time the kernels.
 #
-#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|tune|pytest|qfold|ptx]...
+#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|tune|pytest|qfold|qtile|ptx]...
 #
 # "install" expects .gpu/part1 already copied to /root/mlxw (previous call) and
 # .gpu/part2 and .gpu/lib (mlx_lm) carried now; "ensure" reuses a warm install.
@@ -35,6 +35,12 @@ for step in "$@"; do
           --keys-per-group $u 2>&1 | tee -a "$OUT/tune.log" || status=1
       done ;;
     pytest) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py 2>&1 | tail -5 ;;
+    qtile)  # the queue fold's tiles: float64 checks of each, its kernel tests, timings
+      python3 scripts/gpu_check.py --skip-attention --fused-steps 2 > "$OUT/check_qtile.log" 2>&1 || status=1
+      grep -v ": ok$" "$OUT/check_qtile.log"; grep -c ": ok$" "$OUT/check_qtile.log"
+      python3 -m pytest -q -p no:cacheprovider tests/test_queue_fold_gpu.py \
+        -k "any_visible or rejects or kernel_fold_equals or 4097" 2>&1 | tail -3
+      python3 scripts/bench_queue_fold.py --reps 10 2>&1 | tee "$OUT/bench_queue_tiles.log" | grep -v "^{" ;;
     qfold)  # the queue fold (kernels/queued.py): float64 checks, its tests, one-fold timings
       python3 scripts/gpu_check.py --skip-attention --fused-steps 60 > "$OUT/check_qfold.log" 2>&1 || status=1
       grep -v ": ok$" "$OUT/check_qfold.log"

@@ -222,13 +222,13 @@ def write_kernels(D: int) -> List[Kernel]:
 
 
 def queue_fold_kernels(D: int, G: int) -> List[Kernel]:
-    """queued.py's three kernels (the merge takes no template constants)."""
+    """queued.py's three kernels for every tile (the merge takes no template constants)."""
     types = {"vis": "int32_t", "part": "float", "lse": "float", "lse_in": "float"}
-    return [Kernel(f"qfold kind={kind}", *queued.pass_source("cuda", kind),
-                   *queued.pass_names(kind),
+    return [Kernel(f"qfold kind={kind} tile={nt}x{kpt}",
+                   *queued.pass_source("cuda", kind, (nt, kpt)), *queued.pass_names(kind),
                    (lambda dt: []) if kind == "merge" else
                    (lambda dt: [("T", dt), ("D", D), ("G", G)]), types)
-            for kind in queued.KINDS]
+            for kind in queued.KINDS for nt, kpt in queued.TILES]
 
 
 # --- MLX's JIT headers ----------------------------------------------------------

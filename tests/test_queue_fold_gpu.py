@@ -31,10 +31,11 @@ def case(rng, dtype, B, Hq, Hk, D, cap, M, visible):
     return q, k, score, count
 
 
-def test_source_shares_the_body():
+@pytest.mark.parametrize("tile", queued.TILES)
+def test_source_shares_the_body(tile):
     for kind in queued.KINDS:
-        _, cuda = queued.pass_source("cuda", kind)
-        _, metal = queued.pass_source("metal", kind)
+        _, cuda = queued.pass_source("cuda", kind, tile)
+        _, metal = queued.pass_source("metal", kind, tile)
         assert "$" not in cuda and cuda.count("{") == cuda.count("}")
         assert cuda.replace(source.CUDA_IDS, "") == metal.replace(source.METAL_IDS, "")
         inputs, outputs = queued.pass_names(kind)
@@ -85,11 +86,12 @@ def test_queue_fold_matches_float64(dtype, D, Hq, Hk, n, T):
 
 
 @needs_gpu
-def test_queue_fold_any_visible_counts():
+@pytest.mark.parametrize("tile", queued.TILES)
+def test_queue_fold_any_visible_counts(tile):
     rng = np.random.default_rng(7)
-    visible = [300, 5, 129, 1, 300, 77]  # not consecutive, repeated, first slot only
+    visible = [300, 5, 129, 1, 300, 77, 131, 2, 250]  # not consecutive, repeated, 1 slot
     q, k, score, count = case(rng, mx.float32, 1, 8, 4, 64, 300, 300, visible)
-    got_s, got_c = queue_fold(q, k, visible, 0.5, score, count, poison=float("nan"))
+    got_s, got_c = queue_fold(q, k, visible, 0.5, score, count, poison=float("nan"), tile=tile)
     want_s, want_c = queue_fold_ref64(to_np(q), to_np(k), visible, 0.5, to_np(score), to_np(count))
     np.testing.assert_array_equal(np.array(got_c), want_c)
     np.testing.assert_allclose(np.array(got_s), want_s, rtol=2e-5, atol=2e-5)
@@ -100,15 +102,16 @@ def test_queue_fold_any_visible_counts():
 
 
 @needs_gpu
-@pytest.mark.parametrize("bad", ["empty", "too_many", "zero", "dtype"])
+@pytest.mark.parametrize("bad", ["empty", "too_many", "zero", "dtype", "tile"])
 def test_queue_fold_rejects_bad_input(bad):
     q, k = mx.zeros((1, 4, 2, 64), mx.float16), mx.zeros((1, 2, 16, 64), mx.float16)
     score = count = mx.zeros((1, 2, 16))
     visible = {"empty": [], "too_many": [3, 17], "zero": [0, 3]}.get(bad, [3, 4])
     if bad == "dtype":
         k = k.astype(mx.float32)
+    tile = (16, 8) if bad == "tile" else queued.TILE
     with pytest.raises(ValueError, match="queue_fold"):
-        queue_fold(q, k, visible, 0.1, score, count)
+        queue_fold(q, k, visible, 0.1, score, count, tile=tile)
 
 
 @needs_gpu

@@ -13,10 +13,13 @@ the queries, to ``score``, and the number of queries that saw it to
 ``count``.
 
 Rows of a block are (g, t) of its KV head: query head hk * G + g, queued
-query t, which sees slots < vis[t]. A thread owns one key at a time and
-reads its row once per chunk of RC rows staged in shared memory.
-Template constants: T dtype, D head dim, G query heads per KV head, KPT keys
-per thread (a block covers KPT * NT slots), RC rows per chunk.
+query t, which sees slots < vis[t]. A thread owns KPT keys and reads their
+rows once per chunk of RC rows staged in shared memory; each staged query
+value it reads there serves all KPT keys (shared-memory reads, not FMAs,
+bounded the one-key version: 2-11 of ~60 FP32 TFLOPS on an H100).
+Template constants: T dtype, D head dim, G query heads per KV head; source
+constants NT threads, KPT keys per thread (a block covers KPT * NT slots),
+RC rows per chunk.
 """
 
 from functools import lru_cache
@@ -27,9 +30,12 @@ import mlx.core as mx
 from .build import _kernel, _prelude, gpu_backend
 from .decode import DTYPES, params_f
 
-NT = 128
+# (NT threads, KPT keys per thread): a block covers NT * KPT = 128 slots,
+# blocks enough to fill a GPU at 4K slots; KPT keys per thread cut the
+# shared-memory reads per FMA by KPT. NT: a multiple of 32, >= RC.
+TILE = (32, 4)
+TILES = ((128, 1), (64, 2), (32, 4))  # what scripts/bench_queue_fold.py compares
 RC = 8
-KPT = 1  # one key per thread: blocks enough to fill a GPU at 4K slots
 MAX_ROWS = 2048  # G * queued queries: pass 2 keeps one lse per row in shared memory
 
 # float4 constructor of each backend (the shared body stages q as float4).
@@ -53,6 +59,7 @@ $IDS
   auto qb = q + (i64)bh * NR * D;
   auto kb = k + (i64)bh * cap * D;
   H2O_SHARED float4 qs[RC * D4];
+  H2O_SHARED int vis_s[RC];  // slots each staged row sees (0 past NR)
 """
 
 # Stage rows r0 .. r0 + RC of the block's queries as float4 (zeros past NR).
@@ -66,49 +73,62 @@ STAGE = r"""
       qs[i] = H2O_F4(on * static_cast<float>(p[0]), on * static_cast<float>(p[1]),
                      on * static_cast<float>(p[2]), on * static_cast<float>(p[3]));
     }
+    for (int r = tid; r < RC; r += NT) vis_s[r] = r0 + r < NR ? vis[(r0 + r) % TQ] : 0;
     H2O_BARRIER();
 """
 
-# acc[r] = q_r . k_j for the staged rows (key row read once per chunk).
+# acc[u][r] = q_r . k_j for this thread's keys j = j0 + u * NT + tid and the
+# staged rows r: each key row is read once per chunk, each staged value once
+# for all KPT keys.
 DOT = r"""
-        float acc[RC];
-        H2O_UNROLL
-        for (int r = 0; r < RC; ++r) acc[r] = 0.0f;
-        auto kr = kb + (i64)j * D;
-        const bool kvec = H2O_ALIGNED16(kr);
-        for (int d0 = 0; d0 < D; d0 += E) {
-          float kf[E];
-          {
-            H2ORaw<T, E> raw;
-            h2o_fetch<E>(kr + d0, 1, kvec, raw);
-            h2o_cvt<E>(raw, kf);
-          }
-          H2O_UNROLL
-          for (int r = 0; r < RC; ++r) {
-            const float4 a = qs[r * D4 + d0 / 4];
-            const float4 c = qs[r * D4 + d0 / 4 + 1];
-            acc[r] += a.x * kf[0] + a.y * kf[1] + a.z * kf[2] + a.w * kf[3]
-                    + c.x * kf[4] + c.y * kf[5] + c.z * kf[6] + c.w * kf[7];
-          }
+    float acc[KPT][RC];
+    H2O_UNROLL
+    for (int u = 0; u < KPT; ++u) {
+      H2O_UNROLL
+      for (int r = 0; r < RC; ++r) acc[u][r] = 0.0f;
+    }
+    for (int d0 = 0; d0 < D; d0 += E) {
+      float kf[KPT][E];
+      H2O_UNROLL
+      for (int u = 0; u < KPT; ++u) {
+        const int j = j0 + u * NT + tid;
+        H2ORaw<T, E> raw;
+        if (j < nmax) {
+          auto kr = kb + (i64)j * D + d0;
+          h2o_fetch<E>(kr, 1, H2O_ALIGNED16(kr), raw);
+        } else {
+          h2o_zero<E>(raw);
         }
+        h2o_cvt<E>(raw, kf[u]);
+      }
+      H2O_UNROLL
+      for (int r = 0; r < RC; ++r) {
+        const float4 a = qs[r * D4 + d0 / 4];
+        const float4 c = qs[r * D4 + d0 / 4 + 1];
+        H2O_UNROLL
+        for (int u = 0; u < KPT; ++u) {
+          float x = acc[u][r];  // a chain of 8 FMAs
+          x += a.x * kf[u][0]; x += a.y * kf[u][1]; x += a.z * kf[u][2]; x += a.w * kf[u][3];
+          x += c.x * kf[u][4]; x += c.y * kf[u][5]; x += c.z * kf[u][6]; x += c.w * kf[u][7];
+          acc[u][r] = x;
+        }
+      }
+    }
 """
 
 # For each of this thread's keys j and each staged row r that sees it: the
 # logit x (the code between EACH_LOGIT and END_EACH runs per (j, r)).
 EACH_LOGIT = r"""
+$DOT
     H2O_UNROLL
     for (int u = 0; u < KPT; ++u) {
       const int j = j0 + u * NT + tid;
-      if (j < nmax) {
-$DOT
-        H2O_UNROLL
-        for (int r = 0; r < RC; ++r) {
-          const int row = r0 + r;
-          if (row < NR && j < vis[row % TQ]) {
-            const float x = acc[r] * scale;
+      H2O_UNROLL
+      for (int r = 0; r < RC; ++r) {
+        if (j < vis_s[r]) {
+          const float x = acc[u][r] * scale;
 """.strip("\n")
-END_EACH = """          }
-        }
+END_EACH = """        }
       }
     }"""
 
@@ -194,7 +214,7 @@ PASS2 = r"""
     for (int r0 = 0; r0 < NR; r0 += RC) {
 $STAGE
 $EACH_LOGIT
-            sc[u] += H2O_EXP(x - lse[row]);
+            sc[u] += H2O_EXP(x - lse[r0 + r]);
 $END_EACH
     }
   }
@@ -225,10 +245,12 @@ def pass_names(kind: str):
     return inputs, ["part"]
 
 
-def pass_source(backend: str, kind: str) -> Tuple[str, str]:
-    """(header, body) of one kernel (``KINDS``) for ``backend``."""
+def pass_source(backend: str, kind: str, tile: Tuple[int, int] = TILE) -> Tuple[str, str]:
+    """(header, body) of one kernel (``KINDS``) for ``backend``; ``tile``:
+    (threads per block, keys per thread)."""
     header, ids = _prelude(backend)
-    consts = f"constexpr int NT = {NT};\nconstexpr int RC = {RC};\nconstexpr int KPT = {KPT};\n"
+    nt, kpt = tile
+    consts = f"constexpr int NT = {nt};\nconstexpr int RC = {RC};\nconstexpr int KPT = {kpt};\n"
     consts += f"constexpr int MAX_ROWS = {MAX_ROWS};\n"
     if kind == "merge":
         return header + consts, MERGE.replace("$IDS", ids)
@@ -239,14 +261,14 @@ def pass_source(backend: str, kind: str) -> Tuple[str, str]:
 
 
 @lru_cache(maxsize=None)
-def _make_pass_kernel(kind: str):
+def _make_pass_kernel(kind: str, tile: Tuple[int, int] = TILE):
     """The ``kind`` kernel, or None without a GPU backend. Queries, K and the
     scores are indexed flat, so inputs are made row-contiguous."""
     backend = gpu_backend()
     if backend is None:
         return None
     return _kernel(backend, f"h2o_qfold_{kind}", pass_names(kind),
-                   *pass_source(backend, kind), contiguous=True)
+                   *pass_source(backend, kind, tile), contiguous=True)
 
 
 def queue_fold_supported(queries: mx.array, keys: mx.array, queued: int = 0) -> bool:
@@ -261,8 +283,8 @@ def queue_fold_supported(queries: mx.array, keys: mx.array, queued: int = 0) -> 
 
 
 def queue_fold(queries: mx.array, keys: mx.array, visible: Sequence[int], scale: float,
-               score: mx.array, count: mx.array, *,
-               poison: Optional[float] = None) -> Tuple[mx.array, mx.array]:
+               score: mx.array, count: mx.array, *, poison: Optional[float] = None,
+               tile: Tuple[int, int] = TILE) -> Tuple[mx.array, mx.array]:
     """(score, count) with the queued queries folded in (new arrays).
 
     Shapes:
@@ -270,7 +292,8 @@ def queue_fold(queries: mx.array, keys: mx.array, visible: Sequence[int], scale:
         keys: the K buffer (B, n_kv_heads, cap, D), read in place;
         score, count: (B, n_kv_heads, M) float32, M >= max(visible).
     As cache/deferred.batch_fold added to (score, count), up to float
-    summation order. ``poison`` (tests): what an unwritten output reads.
+    summation order. ``poison`` (tests): what an unwritten output reads;
+    ``tile`` (benchmarks): one of ``TILES``.
     """
     B, Hq, T, D = queries.shape
     Hk, cap, M = keys.shape[1], keys.shape[2], score.shape[-1]
@@ -281,19 +304,22 @@ def queue_fold(queries: mx.array, keys: mx.array, visible: Sequence[int], scale:
         raise ValueError(f"queue_fold: not supported here for queries {queries.shape} "
                          f"{queries.dtype}, keys {keys.shape} {keys.dtype}, score "
                          f"{score.shape} (backend={gpu_backend()})")
+    if tile not in TILES:
+        raise ValueError(f"queue_fold: tile must be one of {TILES}, got {tile}")
     template = [("T", queries.dtype), ("D", D), ("G", Hq // Hk)]
-    grid = (B * Hk * NT, -(-M // (KPT * NT)), 1)
+    nt, kpt = tile
+    grid = (B * Hk * nt, -(-M // (kpt * nt)), 1)
     rows = (Hq // Hk) * T
     # prm_f[0] is the scale (decode's parameter row, cached per scale)
     inputs = [queries, keys, mx.array(visible, mx.int32), params_f(float(scale))]
-    f32, block = mx.float32, (NT, 1, 1)
-    (part,) = _make_pass_kernel("partials")(
+    f32, block = mx.float32, (nt, 1, 1)
+    (part,) = _make_pass_kernel("partials", tile)(
         inputs=inputs, template=template, grid=grid, threadgroup=block,
         output_shapes=[(B * Hk, grid[1], rows, 2)], output_dtypes=[f32], init_value=poison)
-    (lse,) = _make_pass_kernel("merge")(
-        inputs=[part], grid=(-(-B * Hk * rows // NT) * NT, 1, 1), threadgroup=block,
+    (lse,) = _make_pass_kernel("merge", tile)(
+        inputs=[part], grid=(-(-B * Hk * rows // nt) * nt, 1, 1), threadgroup=block,
         output_shapes=[(B * Hk, rows)], output_dtypes=[f32], init_value=poison)
-    score, count = _make_pass_kernel("fold")(
+    score, count = _make_pass_kernel("fold", tile)(
         inputs=inputs + [lse, score, count], template=template, grid=grid,
         threadgroup=block, output_shapes=[(B, Hk, M)] * 2, output_dtypes=[f32, f32],
         init_value=poison)

@@ -1,0 +1,129 @@
+"""Host time per decode token of the evicting group path vs RotatingKVCache.
+
+    python scripts/host_layer_cost.py [--layers 36] [--budget 256] [--steps 200] [--rounds 5]
+
+No model: each strategy runs ``--layers`` caches (Qwen3-8B heads: 32 / 8, D=128),
+one decode token each per step, and times building the token's graph (the
+caches' Python and MLX op construction; evaluated every 8 tokens, untimed).
+H2O runs in the evicting steady state of a StepGroup (cache/group.py) with its
+fold replaced by precomputed results, so what is timed is everything an
+H2O layer adds on the host except the fold's kernel launch, which needs a
+GPU (scripts/gpu_launch_cost.py measures that). Runs on any backend; rounds
+alternate the strategies; medians per round and a final JSON line.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+from mlx_lm.models.cache import RotatingKVCache
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from mlx_h2o import H2OConfig  # noqa: E402
+from mlx_h2o.cache import group as group_mod  # noqa: E402
+from mlx_h2o.cache.h2o import H2OKVCache  # noqa: E402
+
+B, HQ, HK, D = 1, 32, 8, 128
+
+
+class StubFold:
+    """The group fold's results without its launch: the stacked metadata
+    unchanged and fresh per-layer victim arrays (as the kernel's outputs are)."""
+
+    def __init__(self, layers, budget):
+        self.victims = [mx.zeros((B, HK, 1, D), mx.int32) + (i % budget) for i in range(layers)]
+        self.stacked = mx.zeros((layers * B, HK, 1, D), mx.int32)
+        mx.eval(self.victims, self.stacked)
+
+    def __call__(self, group, caches, queries, offsets):
+        pos, score, count = group._meta
+        return pos, score, count, self.stacked, [mx.array(v) for v in self.victims]
+
+
+def h2o_caches(layers, budget):
+    """A full group of evicting H2O caches, as make_h2o_cache sets it up on a GPU."""
+    stub = StubFold(layers, budget)
+    group_mod.StepGroup._kernel_runs = lambda self, q, hk, kind: True
+    group_mod.StepGroup._fold_kernel = lambda self, c, q, o: stub(self, c, q, o)
+    H2OKVCache._may_fuse = lambda self: True  # the group path needs a GPU otherwise
+    caches = [H2OKVCache(H2OConfig(max_size=budget, heavy_budget=budget // 2))
+              for _ in range(layers)]
+    group = group_mod.StepGroup()
+    k = mx.random.normal((B, HK, budget, D))
+    for c in caches:
+        group.add(c)
+        c.update_and_fetch(k, k)
+        c._pending = False
+        c._victim = mx.zeros((B, HK, 1, D), mx.int32)  # the fold picked a victim
+        c._positions = mx.broadcast_to(mx.arange(budget), (B, HK, budget)) + 0
+        c._score, c._count = mx.zeros((B, HK, budget)), mx.zeros((B, HK, budget))
+    return caches
+
+
+def h2o_token(caches, q, k1, scale):
+    outs = []
+    for c in caches:
+        keys, values = c.update_and_fetch(k1, k1)
+        outs.append(c.h2o_attention(q, keys, values, scale=scale))
+    return outs, [c.kv.keys for c in caches]
+
+
+def rotating_caches(layers, budget):
+    caches = [RotatingKVCache(max_size=budget, keep=4) for _ in range(layers)]
+    k = mx.random.normal((B, HK, budget + 8, D))
+    for c in caches:
+        c.update_and_fetch(k, k)
+    return caches
+
+
+def rotating_token(caches, q, k1, scale):
+    outs = []
+    for c in caches:
+        keys, values = c.update_and_fetch(k1, k1)
+        outs.append(mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale))
+    return outs, [c.keys for c in caches]
+
+
+def us_per_token(make, token, layers, budget, steps):
+    caches = make(layers, budget)
+    q, k1 = mx.random.normal((B, HQ, 1, D)), mx.random.normal((B, HK, 1, D))
+    mx.eval(q, k1)
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        built = token(caches, q, k1, D ** -0.5)
+        times.append(time.perf_counter() - t0)
+        if i % 8 == 7:
+            mx.eval(built)
+    return statistics.median(times[8:]) * 1e6
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=36)
+    p.add_argument("--budget", type=int, default=256)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=5)
+    a = p.parse_args()
+    print(f"mlx {mx.__version__} device {mx.default_device()} layers={a.layers} budget={a.budget}")
+    rows = {"rotating": [], "h2o_group": []}
+    for r in range(a.rounds):
+        order = [("rotating", rotating_caches, rotating_token), ("h2o_group", h2o_caches, h2o_token)]
+        for name, make, token in order if r % 2 == 0 else order[::-1]:
+            rows[name].append(us_per_token(make, token, a.layers, a.budget, a.steps))
+        print(f"round={r} rotating {rows['rotating'][-1]:7.1f} us/token  "
+              f"h2o_group {rows['h2o_group'][-1]:7.1f} us/token")
+    diff = [h - r for h, r in zip(rows["h2o_group"], rows["rotating"])]
+    print(f"median: rotating {statistics.median(rows['rotating']):.1f}  h2o_group "
+          f"{statistics.median(rows['h2o_group']):.1f}  h2o - rotating (paired) "
+          f"{statistics.median(diff):.1f} us/token, {statistics.median(diff) / a.layers:.2f} per layer")
+    print(json.dumps({"layers": a.layers, "budget": a.budget, "us_per_token": rows}))
+
+
+if __name__ == "__main__":
+    main()
