@@ -15,8 +15,7 @@ the queries, to ``score``, and the number of queries that saw it to
 Rows of a block are (g, t) of its KV head: query head hk * G + g, queued
 query t, which sees slots < vis[t]. A thread owns KPT keys and reads their
 rows once per chunk of RC rows staged in shared memory; each staged query
-value it reads there serves all KPT keys (shared-memory reads, not FMAs,
-bounded the one-key version: 2-11 of ~60 FP32 TFLOPS on an H100).
+value it reads there serves all KPT keys.
 Template constants: T dtype, D head dim, G query heads per KV head; source
 constants NT threads, KPT keys per thread (a block covers KPT * NT slots),
 RC rows per chunk.
@@ -31,9 +30,11 @@ from .build import _kernel, _prelude, gpu_backend
 from .decode import DTYPES, params_f
 
 # (NT threads, KPT keys per thread): a block covers NT * KPT = 128 slots,
-# blocks enough to fill a GPU at 4K slots; KPT keys per thread cut the
-# shared-memory reads per FMA by KPT. NT: a multiple of 32, >= RC.
-TILE = (32, 4)
+# blocks enough to fill a GPU at 4K slots. More keys per thread read the
+# staged queries fewer times per FMA but hold more registers: on the H100
+# one key per thread was fastest at 4K and 32K, 64x2 at 16K by ~10%, 32x4
+# slowest (docs/GPU.md, session 13). NT: a multiple of 32, >= RC.
+TILE = (128, 1)
 TILES = ((128, 1), (64, 2), (32, 4))  # what scripts/bench_queue_fold.py compares
 RC = 8
 MAX_ROWS = 2048  # G * queued queries: pass 2 keeps one lse per row in shared memory
