@@ -1,15 +1,20 @@
-"""Host time per decode token of the evicting group path vs RotatingKVCache.
+"""Host time per decode token of H2O's decode paths vs mlx-lm's caches.
 
-    python scripts/host_layer_cost.py [--layers 36] [--budget 256] [--steps 200] [--rounds 5]
+    python scripts/host_layer_cost.py [--path evict|fill] [--layers 36] [--budget 256]
+        [--steps 200] [--rounds 5]
 
 No model: each strategy runs ``--layers`` caches (Qwen3-8B heads: 32 / 8, D=128),
 one decode token each per step, and times building the token's graph (the
 caches' Python and MLX op construction; evaluated every 8 tokens, untimed).
-H2O runs in the evicting steady state of a StepGroup (cache/group.py) with its
-fold replaced by precomputed results, so what is timed is everything an
-H2O layer adds on the host except the fold's kernel launch, which needs a
-GPU (scripts/gpu_launch_cost.py measures that). Runs on any backend; rounds
-alternate the strategies; medians per round and a final JSON line.
+``--path evict``: H2O in the evicting steady state of a StepGroup
+(cache/group.py), its fold replaced by precomputed results, against
+RotatingKVCache; what is timed is everything an H2O layer adds on the host
+except the fold's kernel launch, which needs a GPU (scripts/gpu_launch_cost.py
+measures that). ``--path fill``: H2O below its budget (deferred scores,
+cache/deferred.py) against KVCache; the queue folds every ``defer_steps``
+tokens on the same token in every layer, so the median token has none (the
+fold's own cost is scripts/bench_queue_fold.py's). Runs on any backend;
+rounds alternate the strategies; medians per round and a final JSON line.
 """
 
 import argparse
@@ -20,7 +25,7 @@ import sys
 import time
 
 import mlx.core as mx
-from mlx_lm.models.cache import RotatingKVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -89,6 +94,32 @@ def rotating_token(caches, q, k1, scale):
     return outs, [c.keys for c in caches]
 
 
+def filling_caches(layers, budget):
+    """H2O caches below their budget: every decode token appends and queues."""
+    caches = [H2OKVCache(H2OConfig(max_size=budget * 64)) for _ in range(layers)]
+    k = mx.random.normal((B, HK, budget, D))
+    for c in caches:
+        keys, values = c.update_and_fetch(k, k)
+        c.h2o_attention(mx.random.normal((B, HQ, budget, D)), keys, values,
+                        scale=D ** -0.5, mask="causal")
+    mx.eval([c.kv.keys for c in caches])
+    return caches
+
+
+def kvcache_caches(layers, budget):
+    caches = [KVCache() for _ in range(layers)]
+    k = mx.random.normal((B, HK, budget, D))
+    for c in caches:
+        c.update_and_fetch(k, k)
+    return caches
+
+
+PATHS = {
+    "evict": (("rotating", rotating_caches, rotating_token), ("h2o_group", h2o_caches, h2o_token)),
+    "fill": (("kvcache", kvcache_caches, rotating_token), ("h2o_fill", filling_caches, h2o_token)),
+}
+
+
 def us_per_token(make, token, layers, budget, steps):
     caches = make(layers, budget)
     q, k1 = mx.random.normal((B, HQ, 1, D)), mx.random.normal((B, HK, 1, D))
@@ -105,24 +136,27 @@ def us_per_token(make, token, layers, budget, steps):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--path", choices=sorted(PATHS), default="evict")
     p.add_argument("--layers", type=int, default=36)
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--rounds", type=int, default=5)
     a = p.parse_args()
-    print(f"mlx {mx.__version__} device {mx.default_device()} layers={a.layers} budget={a.budget}")
-    rows = {"rotating": [], "h2o_group": []}
+    print(f"mlx {mx.__version__} device {mx.default_device()} path={a.path} "
+          f"layers={a.layers} budget={a.budget}")
+    (base, *_), (ours, *_) = order = PATHS[a.path]
+    rows = {base: [], ours: []}
     for r in range(a.rounds):
-        order = [("rotating", rotating_caches, rotating_token), ("h2o_group", h2o_caches, h2o_token)]
         for name, make, token in order if r % 2 == 0 else order[::-1]:
             rows[name].append(us_per_token(make, token, a.layers, a.budget, a.steps))
-        print(f"round={r} rotating {rows['rotating'][-1]:7.1f} us/token  "
-              f"h2o_group {rows['h2o_group'][-1]:7.1f} us/token")
-    diff = [h - r for h, r in zip(rows["h2o_group"], rows["rotating"])]
-    print(f"median: rotating {statistics.median(rows['rotating']):.1f}  h2o_group "
-          f"{statistics.median(rows['h2o_group']):.1f}  h2o - rotating (paired) "
-          f"{statistics.median(diff):.1f} us/token, {statistics.median(diff) / a.layers:.2f} per layer")
-    print(json.dumps({"layers": a.layers, "budget": a.budget, "us_per_token": rows}))
+        print(f"round={r} {base} {rows[base][-1]:7.1f} us/token  "
+              f"{ours} {rows[ours][-1]:7.1f} us/token")
+    diff = statistics.median(h - r for h, r in zip(rows[ours], rows[base]))
+    print(f"median: {base} {statistics.median(rows[base]):.1f}  {ours} "
+          f"{statistics.median(rows[ours]):.1f}  {ours} - {base} (paired) "
+          f"{diff:.1f} us/token, {diff / a.layers:.2f} per layer")
+    print(json.dumps({"path": a.path, "layers": a.layers, "budget": a.budget,
+                      "us_per_token": rows}))
 
 
 if __name__ == "__main__":
