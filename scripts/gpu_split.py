@@ -66,18 +66,12 @@ def quantized(model, cfg, bits, group, by_kernel=False, fused_write=True):
     return cache if group else without_groups(cache)
 
 
-def dense_fused_write(cache):
-    """Dense H2O caches whose victim writes go through kernels/kv_write.py."""
-    for c in cache:
-        c.kv.fused_write = True
-    return cache
-
-
-def fold_at_next_token(cache):
-    """Groups that fold at the next token's first member call (before session 9)."""
-    for c in cache:
-        if c._group is not None:
-            c._group.fold_at_last_push = False
+def with_attrs(cache, part=lambda c: c, **attrs):
+    """``cache`` with ``attrs`` set on each layer's ``part`` (the cache, its
+    storage or its group; None is skipped): the strategies that flip a switch."""
+    for target in map(part, cache):
+        for name, value in attrs.items() if target is not None else ():
+            setattr(target, name, value)
     return cache
 
 
@@ -85,20 +79,6 @@ def folds_together(cache):
     """Every layer folds its queued scores on the same token (no phase)."""
     for c in cache:
         c.set_fold_phase(0)
-    return cache
-
-
-def exact_fold_width(cache):
-    """Queue folds shaped by the slots in use (before session 11)."""
-    for c in cache:
-        c.fixed_fold_width = False
-    return cache
-
-
-def ops_queue_fold(cache):
-    """Queue folds in plain ops (before session 12) instead of kernels/queued.py."""
-    for c in cache:
-        c.fold_queue_on_gpu = False
     return cache
 
 
@@ -115,16 +95,21 @@ def strategies(model, context, budget):
         "h2o_no_evict": lambda: make_h2o_cache(model, H2OConfig(max_size=context + 4096)),
         "h2o_no_evict_sync": lambda: folds_together(
             make_h2o_cache(model, H2OConfig(max_size=context + 4096))),
-        "h2o_no_evict_ops": lambda: ops_queue_fold(
-            make_h2o_cache(model, H2OConfig(max_size=context + 4096))),
-        "h2o_no_evict_exact": lambda: exact_fold_width(
-            make_h2o_cache(model, H2OConfig(max_size=context + 4096))),
+        # the ops fold of queued queries (before session 12) and folds shaped
+        # by the slots in use (before session 11)
+        "h2o_no_evict_ops": lambda: with_attrs(
+            make_h2o_cache(model, H2OConfig(max_size=context + 4096)), fold_queue_on_gpu=False),
+        "h2o_no_evict_exact": lambda: with_attrs(
+            make_h2o_cache(model, H2OConfig(max_size=context + 4096)), fixed_fold_width=False),
         "h2o_q8": lambda: quantized(model, cfg, 8, False),
         "h2o_q8_group": lambda: quantized(model, cfg, 8, True),
         "h2o_q8_group_kernel": lambda: quantized(model, cfg, 8, True, by_kernel=True),
         "h2o_q8_group_ops": lambda: quantized(model, cfg, 8, True, fused_write=False),
-        "h2o_fw": lambda: dense_fused_write(make_h2o_cache(model, cfg)),
-        "h2o_fold_next": lambda: fold_at_next_token(make_h2o_cache(model, cfg)),
+        # victim writes by kernels/kv_write.py; group folds at the next token's
+        # first member call (before session 9)
+        "h2o_fw": lambda: with_attrs(make_h2o_cache(model, cfg), lambda c: c.kv, fused_write=True),
+        "h2o_fold_next": lambda: with_attrs(make_h2o_cache(model, cfg), lambda c: c._group,
+                                            fold_at_last_push=False),
         "h2o_per_layer": lambda: without_groups(make_h2o_cache(model, cfg)),
         # mlx-lm's own: opt-in, MLX 0.32's CUDA quantized_matmul has no kernel
         # for 4097 keys, so it fails at the first decode step after prefill
