@@ -1,7 +1,7 @@
 #!/bin/sh
 # One device call: install MLX CUDA (if given), then check and time the kernels.
 #
-#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|tune|pytest|qfold|qtile|ptx]...
+#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|tune|pytest|qfold|qtile|model|ptx]...
 #
 # "install" expects .gpu/part1 already copied to /root/mlxw (previous call) and
 # .gpu/part2 and .gpu/lib (mlx_lm) carried now; "ensure" reuses a warm install.
@@ -23,6 +23,11 @@ for step in "$@"; do
       python3 -c "import mlx.core as mx; assert mx.cuda.is_available()" || exit 3
       [ -d /root/site/mlx_lm ] || cp -r .gpu/lib/mlx_lm /root/site/ || exit 3
       [ -f .gpu/ptx.tgz ] && mkdir -p /tmp/mlx && tar -xzf .gpu/ptx.tgz -C /tmp/mlx
+      ;;
+    model)  # a real model carried in parts (scripts/gpu_model_parts.sh) -> /root/model
+      mkdir -p /root/mparts /root/model && cp .gpu/model/m*/* /root/mparts/ 2>/dev/null
+      cat $(ls /root/mparts/model.tar.* | sort -t. -k3 -n) | tar -xf - -C /root/model || exit 3
+      echo "$(cat /root/mparts/weights.sha256)  /root/model/model.safetensors" | sha256sum -c - || exit 3
       ;;
     ptx)  # bring compiled kernels back, so a cold machine skips NVRTC
       tar -czf "$OUT/ptx.tgz" -C /tmp/mlx . && ls -la "$OUT/ptx.tgz" ;;

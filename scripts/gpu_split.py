@@ -1,10 +1,11 @@
 """Decode time split, round-robin: host build, dispatch, host wait, GPU kernel time.
 
     python3 scripts/gpu_split.py [--context 4096] [--budget 256] [--rounds 6]
-        [--steps 32] [--strategies ...] [--no-trace] [--ops]
+        [--steps 32] [--strategies ...] [--no-trace] [--ops] [--model PATH]
 
-A Qwen3-8B-shaped 4-bit model (random weights) decodes as mlx-lm's
-generate_step does: the next token's graph is built (``build``: the forward
+A Qwen3-8B-shaped 4-bit model (random weights; ``--model``: a real one, e.g.
+the packaged SmolLM2 quantized by scripts/gpu_model_parts.sh) decodes as
+mlx-lm's generate_step does: the next token's graph is built (``build``: the forward
 call) and dispatched (``dispatch``: ``mx.async_eval``) while the GPU runs the
 current one, then ``.item()`` waits for it (``wait``). ``wait`` near zero
 means the step is host bound; ``cpu`` is the thread's CPU time per token
@@ -49,6 +50,7 @@ from mlx_h2o.kernels.group_fold import GroupFold, group_fold, group_plan  # noqa
 from mlx_h2o.kernels.group_fold import layer_params  # noqa: E402
 from mlx_h2o.kernels.kv_write import write_plan  # noqa: E402
 from mlx_h2o.kernels.packed import pack  # noqa: E402
+from mlx_h2o.models import load_model  # noqa: E402
 
 
 def kernel_sdpa(kv, queries, keys, values, *, scale):
@@ -316,6 +318,9 @@ def main():
     p.add_argument("--no-trace", action="store_true", help="skip the CUPTI kernel times")
     p.add_argument("--ops", action="store_true", help="also the per-op dispatch probe")
     p.add_argument("--ops-only", action="store_true", help="the probes, no decode runs")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="a real model (packaged name or mlx-lm model dir) instead of the "
+                        "random-weight Qwen3-8B-shaped one")
     p.add_argument("--pin", type=int, default=None, metavar="CPU",
                    help="run on this CPU core only (less scheduler noise)")
     args = p.parse_args()
@@ -331,8 +336,12 @@ def main():
                       json.dumps({k: round(v, 3) for k, v in res.items()}), flush=True)
     if args.ops_only:
         return
-    model = random_model("qwen3-8b", bits=4, dtype=mx.bfloat16)
-    print(f"mlx {mx.__version__} context={args.context} budget={args.budget} "
+    if args.model:
+        model = load_model(args.model)[0]
+    else:
+        model = random_model("qwen3-8b", bits=4, dtype=mx.bfloat16)
+    print(f"mlx {mx.__version__} model={args.model or 'qwen3-8b shapes, 4-bit, random'} "
+          f"context={args.context} budget={args.budget} "
           f"steps={args.steps} rounds={args.rounds}", flush=True)
     made = {k: v for k, v in strategies(model, args.context, args.budget).items()
             if (k in args.strategies if args.strategies else k != "qkv8")}
