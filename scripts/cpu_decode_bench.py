@@ -1,5 +1,7 @@
 """Decode tok/s on CPU: KVCache vs H2O without eviction vs H2O evicting every step.
 
+(``h2o_evict_ops``: the evicting step op by op, as before the compiled step.)
+
 SmolLM2-135M shapes (llama: 30 layers, 9/3 heads, head_dim 64), float32 random
 weights (speed does not depend on weight values) or --model for real weights.
 Strategies are interleaved and repeated; medians and ratios vs KVCache.
@@ -31,7 +33,16 @@ def strategies(model, context, budget):
         "rotating": lambda: [RotatingKVCache(max_size=budget, keep=4) for _ in range(n)],
         "h2o_no_evict": lambda: make_h2o_cache(model, H2OConfig(max_size=context + 1024)),
         "h2o_evict": lambda: make_h2o_cache(model, H2OConfig(max_size=budget, heavy_budget=budget // 2)),
+        # the evicting step op by op instead of one compiled call (cache/ops_step.py)
+        "h2o_evict_ops": lambda: uncompiled(
+            make_h2o_cache(model, H2OConfig(max_size=budget, heavy_budget=budget // 2))),
     }
+
+
+def uncompiled(cache):
+    for c in cache:
+        c.compile_ops_step = False
+    return cache
 
 
 def decode_tps(model, make_cache, context, steps):

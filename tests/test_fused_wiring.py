@@ -122,7 +122,8 @@ def test_fused_path_matches_op_by_op_path(emulated_kernel, mode, window, trim_at
     # Fill by appends, overflow with a chunk (compaction), decode, another chunk, decode.
     lengths = [5] + [1] * 10 + [9] + [1] * 15 + [6] + [1] * 20
     fused, plain = H2OKVCache(cfg, window), H2OKVCache(cfg, window)
-    plain.use_fused_step = plain.defer_scores = False  # per-step op-by-op reference
+    # per-step op-by-op reference
+    plain.use_fused_step = plain.defer_scores = plain.compile_ops_step = False
     for a, b in zip(drive(fused, lengths, 0, trim_at), drive(plain, lengths, 0, trim_at)):
         np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-6)
     assert (fused.offset, fused.evicted, fused.size()) == (plain.offset, plain.evicted, plain.size())
@@ -198,7 +199,7 @@ def test_masked_fused_step_after_deferred_steps(emulated_kernel):
     mask or sinks takes the fused path, which must see them folded first."""
     cfg = H2OConfig(max_size=16, sink_size=2, heavy_budget=5)
     fused, plain = H2OKVCache(cfg), H2OKVCache(cfg)
-    plain.use_fused_step = plain.defer_scores = False
+    plain.use_fused_step = plain.defer_scores = plain.compile_ops_step = False
     rngs = [np.random.default_rng(8), np.random.default_rng(8)]
     for i, L in enumerate([4] + [1] * 24):
         for cache, rng in zip((fused, plain), rngs):

@@ -128,7 +128,8 @@ def test_same_scores_same_evictions(cfg):
         QuantizedH2OKVCache(cfg, quant=QuantConfig(4, GS)),
         MixedPrecisionH2OKVCache(cfg, quant=QuantConfig(8, GS, 4)),
     ]
-    caches[0].defer_scores = False  # its decode steps must use the scripted attention
+    # Its decode steps must use the scripted attention: no deferral, no compiled step.
+    caches[0].defer_scores = caches[0].compile_ops_step = False
     for c in caches:
         scripted_attention(c, table)
     for L in STREAM:

@@ -19,11 +19,8 @@ from typing import List, Optional
 import mlx.core as mx
 import numpy as np
 
-from .. import policy
-from ..kernels import scaled_dot_product_attention_with_scores
 from ..kernels.group_fold import group_fold, group_fold_supported, layer_params, max_layers
-from .h2o import slot_priority
-from .storage import fresh_slot
+from .ops_step import evict_step
 
 
 class StepGroup:
@@ -206,19 +203,13 @@ class StepGroup:
 
 
 def fold_layer(config, q, keys, n, scale, offset, pos, score, count, slot, width=None):
-    """One layer's fold and next victim, as its per-layer op path does them:
-    the token in ``slot`` gets position ``offset - 1`` and fresh scores, the
-    query's attention over the first n slots of ``keys`` (dense) is folded in,
-    and the victim is ranked at ``offset + 1``. Returns (positions, score,
-    count, victim (B, Hk, 1, width or D)) with slots >= n copied through."""
-    cfg = config
-    p, s, k = fresh_slot(pos[..., :n], score[..., :n], count[..., :n], slot, offset - 1)
+    """One layer's fold and next victim, as its per-layer op path does them
+    (ops_step.evict_step over the first n slots of ``keys``, dense). Returns
+    (positions, score, count, victim (B, Hk, 1, width or D)) with slots >= n
+    copied through."""
     kn = keys[..., :n, :]
-    _, logits, lse = scaled_dot_product_attention_with_scores(
-        q, kn, kn, scale=scale, mask=None, sinks=None, use_kernel=False)
-    s, k = policy.fold_scores(cfg.score, s, k, logits, lse, cfg.ema_alpha)
-    pri = slot_priority(cfg, p, s, k, offset + 1)
-    victim = policy.select_victim(pri, p).astype(mx.int32)[..., None, None]
+    _, p, s, k, victim = evict_step(config, scale, q, kn, kn, pos[..., :n], score[..., :n],
+                                    count[..., :n], slot, offset)
     victim = mx.broadcast_to(victim, (*victim.shape[:3], width or keys.shape[3]))
     tail = [a[..., n:] for a in (pos, score, count)]
     return (*(mx.concatenate([x, t], axis=2) for x, t in zip((p, s, k), tail)), victim)

@@ -12,6 +12,7 @@ from ..kernels import fold_step_supported, gpu_backend, h2o_fold_step, h2o_step_
 from ..kernels import make_plan, queue_fold, queue_fold_supported
 from .batch import batch_event
 from .deferred import DEFERRABLE, ScoreQueue, batch_fold, queued_queries
+from .ops_step import compiled_step, slot_priority, zone_arrays
 from .storage import DenseKV, fresh_slot, resize_slots, take_slots
 
 NO_SCORES = (
@@ -74,6 +75,9 @@ class H2OKVCache:
     # On a GPU, queue folds run kernels/queued.py: three launches that write
     # no logits (False: the ops fold, kept to compare the two in benchmarks).
     fold_queue_on_gpu = True
+    # On the CPU, an evicting decode step's attention, fold and next victim
+    # run as one compiled function (cache/ops_step.py) instead of ~90 ops.
+    compile_ops_step = True
     # Evicting decode steps folded with other layers' in one launch per token
     # (cache/group.py): make_h2o_cache sets the group on a GPU backend.
     _group = None
@@ -179,6 +183,8 @@ class H2OKVCache:
         plan = self._fused_plan(queries, keys, values, scale, mask, sinks)
         if plan is not None:
             return self._fused_step(plan, queries, keys, values, mask, sinks)
+        if self._steps_compiled(queries, mask, sinks):
+            return self._compiled_step(queries, keys, values, scale)
         L = queries.shape[2]
         if self._meta_pending and self.window_size is not None:
             self._write_pending_meta()  # the window mask reads the new token's position
@@ -552,6 +558,26 @@ class H2OKVCache:
         self._victim = res.victim if self._n >= self.max_size else None
         self._slot, self._meta_pending, self._pending = None, False, False
 
+    # --- compiled evicting step (cache/ops_step.py) -----------------------------
+    def _steps_compiled(self, queries, mask, sinks) -> bool:
+        """An unmasked evicting decode step on the CPU of a plain full cache
+        (this token went into a victim slot; metadata as long as the buffer)."""
+        return (self.compile_ops_step and self._slot is not None and queries.shape[2] == 1
+                and mask is None and sinks is None and self.window_size is None
+                and mx.default_device() == mx.cpu and type(self.kv) is DenseKV
+                and not self._batched() and self._n == self.kv.capacity == self._positions.shape[2])
+
+    def _compiled_step(self, queries, keys, values, scale):
+        """The step in one compiled call; it picks the next token's victim, which
+        update_and_fetch then writes into (as after a fused GPU step)."""
+        cfg = self.config
+        step = compiled_step(cfg, float(scale))
+        out, self._positions, self._score, self._count, self._victim = step(
+            queries, keys, values, self._positions, self._score, self._count, self._slot,
+            mx.array(self.offset, mx.int32), *zone_arrays(cfg.sink_size, cfg.recent_budget))
+        self._slot, self._meta_pending, self._pending = None, False, False
+        return self._with_metadata(out)
+
     # --- batched eviction (config.evict_batch > 1) -------------------------------
     def _batched(self) -> bool:
         return self.batch_eviction and self.config.evict_batch > 1
@@ -635,15 +661,6 @@ class H2OKVCache:
         q = mx.arange(self.offset - L, self.offset)[:, None]  # (L, 1)
         k = self.positions[..., None, : self._n]  # (B, Hk, 1, n)
         return (k <= q) & (k > q - self.window_size)  # (B, Hk, L, n)
-
-
-def slot_priority(config: H2OConfig, positions, score, count, offset: int, window_size=None):
-    """Eviction priority of the slots (policy.priority) for tokens seen =
-    ``offset``: protected zones +inf, the score mode's ranking otherwise."""
-    cfg = config
-    keep = policy.protected(positions, offset, cfg.sink_size, cfg.recent_budget, cfg.pinned)
-    ranked = policy.eviction_score(cfg.score, score, count)
-    return policy.priority(ranked, keep, positions, offset, window_size)
 
 
 def _last_rows(mask, W: int):

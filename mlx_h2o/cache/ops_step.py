@@ -1,0 +1,76 @@
+"""An evicting decode step in MLX ops: attention, score fold, next victim.
+
+What the fused GPU step (kernels.h2o_decode_step) computes, as the reference
+ops. Op by op that is ~90 MLX primitives per layer and decode token, each
+with its own scheduling cost (~7 us of CPU time on this project's 2-core
+machine); without the GPU kernels the cache calls ``compiled_step``, whose
+graph is traced once per shape and fuses the elementwise ops.
+"""
+
+from functools import lru_cache
+from typing import Callable
+
+import mlx.core as mx
+
+from .. import policy
+from ..config import H2OConfig
+from ..kernels import reference
+from .storage import fresh_slot
+
+
+def slot_priority(config: H2OConfig, positions, score, count, offset, window_size=None,
+                  zones=None):
+    """Eviction priority of the slots (policy.priority) for tokens seen =
+    ``offset``: protected zones +inf, the score mode's ranking otherwise.
+    ``offset`` and ``zones`` (sink size, recent budget; default the
+    config's) may be int32 scalar arrays."""
+    cfg = config
+    sink, recent = (cfg.sink_size, cfg.recent_budget) if zones is None else zones
+    keep = policy.protected(positions, offset, sink, recent, cfg.pinned)
+    ranked = policy.eviction_score(cfg.score, score, count)
+    return policy.priority(ranked, keep, positions, offset, window_size)
+
+
+def evict_step(config: H2OConfig, scale: float, queries, keys, values, positions, score,
+               count, slot, offset, zones=None):
+    """One decode query whose token went into ``slot``: the slot gets position
+    ``offset - 1`` and fresh scores, the query attends all N slots of
+    ``keys`` / ``values`` (no mask), its attention is folded in, and the next
+    victim is ranked at ``offset + 1``.
+
+    Shapes: queries (B, Hq, 1, D); keys, values (B, Hk, N, D); positions,
+    score, count (B, Hk, N); slot (B, Hk, 1) or a victim (B, Hk, 1, ·);
+    ``offset`` and ``zones`` as in slot_priority.
+    Returns (out, positions, score, count, victim (B, Hk, 1, 1) int32)."""
+    p, s, c = fresh_slot(positions, score, count, slot, offset - 1)
+    out, logits, lse = reference.scaled_dot_product_attention_with_scores(
+        queries, keys, values, scale=scale)
+    s, c = policy.fold_scores(config.score, s, c, logits, lse, config.ema_alpha)
+    pri = slot_priority(config, p, s, c, offset + 1, zones=zones)
+    victim = policy.select_victim(pri, p).astype(mx.int32)[..., None, None]
+    return out, p, s, c, victim
+
+
+@lru_cache(maxsize=64)
+def compiled_step(config: H2OConfig, scale: float) -> Callable:
+    """``evict_step`` for one cache's settings through mx.compile:
+    (queries, keys, values, positions, score, count, slot, offset, sink,
+    recent) -> (out, positions, score, count, victim (B, Hk, 1, D)), the
+    victim repeated along D so that the next token's K/V writes take it as
+    is. ``offset``, ``sink`` and ``recent`` are int32 scalar arrays: as
+    Python ints they would be traced as constants, so every token (offset)
+    and every layer size of a layer profile (zones) would get its own
+    compiled code (on the CPU, its own C++ build, ~0.5 s each)."""
+
+    def step(queries, keys, values, positions, score, count, slot, offset, sink, recent):
+        out, p, s, c, victim = evict_step(config, scale, queries, keys, values, positions,
+                                          score, count, slot, offset, (sink, recent))
+        return out, p, s, c, mx.broadcast_to(victim, (*victim.shape[:3], keys.shape[3]))
+
+    return mx.compile(step)
+
+
+@lru_cache(maxsize=256)
+def zone_arrays(sink_size: int, recent_budget: int):
+    """compiled_step's (sink, recent) inputs for these sizes (made once)."""
+    return mx.array(sink_size, mx.int32), mx.array(recent_budget, mx.int32)

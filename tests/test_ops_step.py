@@ -1,0 +1,104 @@
+"""The CPU's compiled evicting step (cache/ops_step.py) against the op-by-op path.
+
+Both run on the CPU: the compiled step attends, folds and picks the next
+victim in one mx.compile call, which the next token writes into (the fused
+GPU step's flow); the op-by-op path picks the victim at the next token. Kept
+positions, their slots and the scores must come out the same.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_h2o import H2OConfig, H2OKVCache
+from mlx_h2o.cache import ops_step
+
+D, HQ, HK = 16, 6, 2
+STREAM = [7] + [1] * 40 + [9] + [1] * 30
+
+
+def pair(cfg):
+    compiled, plain = H2OKVCache(cfg), H2OKVCache(cfg)
+    plain.compile_ops_step = False
+    for c in (compiled, plain):
+        c.defer_scores = False  # decode steps below the budget take the same path
+    return compiled, plain
+
+
+def step(cache, L, rng, B=2):
+    q, k, v = (mx.array(rng.standard_normal((B, h, L, D)).astype(np.float32))
+               for h in (HQ, HK, HK))
+    keys, values = cache.update_and_fetch(k, v)
+    return cache.h2o_attention(q, keys, values, scale=D ** -0.5, mask=cache.make_mask(L))
+
+
+def assert_same(a, b):
+    assert (a.offset, a.evicted, a.size()) == (b.offset, b.evicted, b.size())
+    np.testing.assert_array_equal(np.array(a.positions), np.array(b.positions))
+    np.testing.assert_allclose(np.array(a.score), np.array(b.score), rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(np.array(a.count), np.array(b.count))
+    np.testing.assert_array_equal(np.array(a.kv.keys), np.array(b.kv.keys))
+
+
+@pytest.mark.parametrize("mode", ["ema", "attention_ema", "accumulated", "normalized"])
+def test_compiled_step_equals_op_by_op(mode):
+    cfg = H2OConfig(max_size=24, sink_size=2, heavy_budget=9, score=mode, pinned=((5, 7),))
+    caches, rngs = pair(cfg), [np.random.default_rng(3), np.random.default_rng(3)]
+    taken = 0
+    for L in STREAM:
+        outs = [step(c, L, r) for c, r in zip(caches, rngs)]
+        np.testing.assert_allclose(np.array(outs[0]), np.array(outs[1]), rtol=1e-5, atol=1e-6)
+        taken += caches[0]._victim is not None  # set by the compiled step only
+        assert caches[1]._victim is None
+        assert_same(*caches)
+    assert taken >= 50 and caches[0].evicted > 50  # most decode steps evicted
+
+
+def test_compiled_step_through_trim_and_state():
+    cfg = H2OConfig(max_size=16, sink_size=1, heavy_budget=6)
+    caches, rngs = pair(cfg), [np.random.default_rng(9), np.random.default_rng(9)]
+    for L in [5] + [1] * 25:
+        for c, r in zip(caches, rngs):
+            step(c, L, r)
+    assert [c.trim(3) for c in caches] == [3, 3]
+    assert_same(*caches)
+    restored = H2OKVCache.from_state(caches[0].state, caches[0].meta_state)
+    caches = (restored, caches[1])
+    for L in [1] * 20:
+        outs = [step(c, L, r) for c, r in zip(caches, rngs)]
+        np.testing.assert_allclose(np.array(outs[0]), np.array(outs[1]), rtol=1e-5, atol=1e-6)
+    assert restored._victim is not None
+    assert_same(*caches)
+
+
+def test_compiled_step_is_one_trace_per_shape():
+    """offset goes in as an array: a decode stream does not retrace per token."""
+    cfg = H2OConfig(max_size=12, sink_size=1, heavy_budget=4)
+    cache, rng = H2OKVCache(cfg), np.random.default_rng(1)
+    calls = []
+    fn = ops_step.evict_step
+
+    def counting(*args):
+        calls.append(1)
+        return fn(*args)
+
+    ops_step.compiled_step.cache_clear()
+    try:
+        ops_step.evict_step = counting
+        for L in [12] + [1] * 30:
+            step(cache, L, rng)
+    finally:
+        ops_step.evict_step = fn
+        ops_step.compiled_step.cache_clear()
+    # traced for the first step's (B, Hk, 1) slot and for a carried victim (B, Hk, 1, D)
+    assert 1 <= len(calls) <= 2 and cache.evicted == 30
+
+
+def test_gpu_only_and_masked_steps_keep_the_op_path():
+    """Window layers and batched eviction do not take the compiled step."""
+    for cfg, window in [(H2OConfig(max_size=12, heavy_budget=4), 5),
+                        (H2OConfig(max_size=12, heavy_budget=4, evict_batch=4), None)]:
+        cache, rng = H2OKVCache(cfg, window), np.random.default_rng(2)
+        for L in [12] + [1] * 10:
+            step(cache, L, rng)
+            assert cache._victim is None
