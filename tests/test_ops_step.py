@@ -17,8 +17,8 @@ D, HQ, HK = 16, 6, 2
 STREAM = [7] + [1] * 40 + [9] + [1] * 30
 
 
-def pair(cfg):
-    compiled, plain = H2OKVCache(cfg), H2OKVCache(cfg)
+def pair(cfg, window=None):
+    compiled, plain = H2OKVCache(cfg, window), H2OKVCache(cfg, window)
     plain.compile_ops_step = False
     for c in (compiled, plain):
         c.defer_scores = False  # decode steps below the budget take the same path
@@ -41,9 +41,10 @@ def assert_same(a, b):
 
 
 @pytest.mark.parametrize("mode", ["ema", "attention_ema", "accumulated", "normalized"])
-def test_compiled_step_equals_op_by_op(mode):
+@pytest.mark.parametrize("window", [None, 17, 40])
+def test_compiled_step_equals_op_by_op(mode, window):
     cfg = H2OConfig(max_size=24, sink_size=2, heavy_budget=9, score=mode, pinned=((5, 7),))
-    caches, rngs = pair(cfg), [np.random.default_rng(3), np.random.default_rng(3)]
+    caches, rngs = pair(cfg, window), [np.random.default_rng(3), np.random.default_rng(3)]
     taken = 0
     for L in STREAM:
         outs = [step(c, L, r) for c, r in zip(caches, rngs)]
@@ -94,11 +95,9 @@ def test_compiled_step_is_one_trace_per_shape():
     assert 1 <= len(calls) <= 2 and cache.evicted == 30
 
 
-def test_gpu_only_and_masked_steps_keep_the_op_path():
-    """Window layers and batched eviction do not take the compiled step."""
-    for cfg, window in [(H2OConfig(max_size=12, heavy_budget=4), 5),
-                        (H2OConfig(max_size=12, heavy_budget=4, evict_batch=4), None)]:
-        cache, rng = H2OKVCache(cfg, window), np.random.default_rng(2)
-        for L in [12] + [1] * 10:
-            step(cache, L, rng)
-            assert cache._victim is None
+def test_batched_eviction_keeps_the_op_path():
+    cache = H2OKVCache(H2OConfig(max_size=12, heavy_budget=4, evict_batch=4))
+    rng = np.random.default_rng(2)
+    for L in [12] + [1] * 10:
+        step(cache, L, rng)
+        assert cache._victim is None

@@ -560,10 +560,11 @@ class H2OKVCache:
 
     # --- compiled evicting step (cache/ops_step.py) -----------------------------
     def _steps_compiled(self, queries, mask, sinks) -> bool:
-        """An unmasked evicting decode step on the CPU of a plain full cache
-        (this token went into a victim slot; metadata as long as the buffer)."""
+        """An evicting decode step on the CPU of a plain full cache (this token
+        went into a victim slot; metadata as long as the buffer; no mask but
+        the layer's own window)."""
         return (self.compile_ops_step and self._slot is not None and queries.shape[2] == 1
-                and mask is None and sinks is None and self.window_size is None
+                and mask is None and sinks is None
                 and mx.default_device() == mx.cpu and type(self.kv) is DenseKV
                 and not self._batched() and self._n == self.kv.capacity == self._positions.shape[2])
 
@@ -571,7 +572,7 @@ class H2OKVCache:
         """The step in one compiled call; it picks the next token's victim, which
         update_and_fetch then writes into (as after a fused GPU step)."""
         cfg = self.config
-        step = compiled_step(cfg, float(scale))
+        step = compiled_step(cfg, float(scale), self.window_size)
         out, self._positions, self._score, self._count, self._victim = step(
             queries, keys, values, self._positions, self._score, self._count, self._slot,
             mx.array(self.offset, mx.int32), *zone_arrays(cfg.sink_size, cfg.recent_budget))

@@ -32,27 +32,30 @@ def slot_priority(config: H2OConfig, positions, score, count, offset, window_siz
 
 
 def evict_step(config: H2OConfig, scale: float, queries, keys, values, positions, score,
-               count, slot, offset, zones=None):
+               count, slot, offset, zones=None, window_size=None):
     """One decode query whose token went into ``slot``: the slot gets position
     ``offset - 1`` and fresh scores, the query attends all N slots of
-    ``keys`` / ``values`` (no mask), its attention is folded in, and the next
-    victim is ranked at ``offset + 1``.
+    ``keys`` / ``values`` (a sliding-window layer: those whose positions it
+    still sees), its attention is folded in, and the next victim is ranked
+    at ``offset + 1``.
 
     Shapes: queries (B, Hq, 1, D); keys, values (B, Hk, N, D); positions,
     score, count (B, Hk, N); slot (B, Hk, 1) or a victim (B, Hk, 1, ·);
     ``offset`` and ``zones`` as in slot_priority.
     Returns (out, positions, score, count, victim (B, Hk, 1, 1) int32)."""
     p, s, c = fresh_slot(positions, score, count, slot, offset - 1)
+    # A window hides positions <= offset - 1 - window (H2OKVCache._position_mask).
+    seen = None if window_size is None else (p > offset - 1 - window_size)[:, :, None]
     out, logits, lse = reference.scaled_dot_product_attention_with_scores(
-        queries, keys, values, scale=scale)
+        queries, keys, values, scale=scale, mask=seen)
     s, c = policy.fold_scores(config.score, s, c, logits, lse, config.ema_alpha)
-    pri = slot_priority(config, p, s, c, offset + 1, zones=zones)
+    pri = slot_priority(config, p, s, c, offset + 1, window_size, zones)
     victim = policy.select_victim(pri, p).astype(mx.int32)[..., None, None]
     return out, p, s, c, victim
 
 
 @lru_cache(maxsize=64)
-def compiled_step(config: H2OConfig, scale: float) -> Callable:
+def compiled_step(config: H2OConfig, scale: float, window_size=None) -> Callable:
     """``evict_step`` for one cache's settings through mx.compile:
     (queries, keys, values, positions, score, count, slot, offset, sink,
     recent) -> (out, positions, score, count, victim (B, Hk, 1, D)), the
@@ -64,7 +67,8 @@ def compiled_step(config: H2OConfig, scale: float) -> Callable:
 
     def step(queries, keys, values, positions, score, count, slot, offset, sink, recent):
         out, p, s, c, victim = evict_step(config, scale, queries, keys, values, positions,
-                                          score, count, slot, offset, (sink, recent))
+                                          score, count, slot, offset, (sink, recent),
+                                          window_size)
         return out, p, s, c, mx.broadcast_to(victim, (*victim.shape[:3], keys.shape[3]))
 
     return mx.compile(step)
