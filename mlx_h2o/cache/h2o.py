@@ -12,7 +12,7 @@ from ..kernels import fold_step_supported, gpu_backend, h2o_fold_step, h2o_step_
 from ..kernels import make_plan, queue_fold, queue_fold_supported
 from .batch import batch_event
 from .deferred import DEFERRABLE, ScoreQueue, batch_fold, queued_queries
-from .ops_step import compiled_step, slot_priority, zone_arrays
+from .ops_step import compiled_fill, compiled_step, slot_priority, zone_arrays
 from .storage import DenseKV, fresh_slot, resize_slots, take_slots
 
 NO_SCORES = (
@@ -185,6 +185,8 @@ class H2OKVCache:
             return self._fused_step(plan, queries, keys, values, mask, sinks)
         if self._steps_compiled(queries, mask, sinks):
             return self._compiled_step(queries, keys, values, scale)
+        if self._fills_compiled(queries, mask, sinks):
+            return self._compiled_fill(queries, scale)
         L = queries.shape[2]
         if self._meta_pending and self.window_size is not None:
             self._write_pending_meta()  # the window mask reads the new token's position
@@ -577,6 +579,23 @@ class H2OKVCache:
             queries, keys, values, self._positions, self._score, self._count, self._slot,
             mx.array(self.offset, mx.int32), *zone_arrays(cfg.sink_size, cfg.recent_budget))
         self._slot, self._meta_pending, self._pending = None, False, False
+        return self._with_metadata(out)
+
+    def _fills_compiled(self, queries, mask, sinks) -> bool:
+        """A decode step on the CPU that appended (metadata written) and folds
+        now: a window layer or an EMA mode below the budget."""
+        return (self.compile_ops_step and self._slot is None and not self._meta_pending
+                and queries.shape[2] == 1 and mask is None and sinks is None
+                and mx.default_device() == mx.cpu and type(self.kv) is DenseKV
+                and not self._lingering and self._n <= self.max_size
+                and self.kv.capacity == self._positions.shape[2])
+
+    def _compiled_fill(self, queries, scale):
+        fill = compiled_fill(self.config, float(scale), self.window_size)
+        out, self._score, self._count = fill(
+            queries, self.kv.keys, self.kv.values, self._positions, self._score,
+            self._count, mx.array(self._n, mx.int32), mx.array(self.offset, mx.int32))
+        self._pending = False
         return self._with_metadata(out)
 
     # --- batched eviction (config.evict_batch > 1) -------------------------------

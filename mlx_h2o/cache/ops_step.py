@@ -4,10 +4,11 @@ What the fused GPU step (kernels.h2o_decode_step) computes, as the reference
 ops. Op by op that is ~90 MLX primitives per layer and decode token, each
 with its own scheduling cost (~7 us of CPU time on this project's 2-core
 machine); without the GPU kernels the cache calls ``compiled_step``, whose
-graph is traced once per shape and fuses the elementwise ops.
+graph is traced once per shape and fuses the elementwise ops, and
+``compiled_fill`` for the decode steps that append and fold at once.
 """
 
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Callable
 
 import mlx.core as mx
@@ -72,6 +73,31 @@ def compiled_step(config: H2OConfig, scale: float, window_size=None) -> Callable
         return out, p, s, c, mx.broadcast_to(victim, (*victim.shape[:3], keys.shape[3]))
 
     return mx.compile(step)
+
+
+def fill_step(config: H2OConfig, scale: float, queries, keys, values, positions, score,
+              count, n, offset, window_size=None):
+    """A decode query that appended its token (slot n - 1, metadata written)
+    and folds its scores now (sliding-window layers, EMA modes: no deferral):
+    attention over the first ``n`` slots of whole buffers (B, Hk, C, ·) with
+    C >= n, so that shapes stay fixed while the cache fills; slots >= n are
+    masked, which leaves their scores exactly as they were. ``n`` and
+    ``offset`` are int32 scalar arrays. Returns (out, score, count)."""
+    seen = mx.arange(positions.shape[-1]) < n  # (C,)
+    if window_size is not None:
+        seen = (seen & (positions > offset - 1 - window_size))[:, :, None]  # (B, Hk, 1, C)
+    out, logits, lse = reference.scaled_dot_product_attention_with_scores(
+        queries, keys, values, scale=scale, mask=seen)
+    score, count = policy.fold_scores(config.score, score, count, logits, lse,
+                                      config.ema_alpha)
+    return out, score, count
+
+
+@lru_cache(maxsize=64)
+def compiled_fill(config: H2OConfig, scale: float, window_size=None) -> Callable:
+    """``fill_step`` for one cache's settings through mx.compile:
+    (queries, keys, values, positions, score, count, n, offset) -> (out, score, count)."""
+    return mx.compile(partial(fill_step, config, scale, window_size=window_size))
 
 
 @lru_cache(maxsize=256)
