@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import mlx_h2o.cache.h2o as h2o_module
+import mlx_h2o.cache.steps as steps_module
 from mlx_h2o import H2OConfig, H2OKVCache, policy
 from mlx_h2o.cache.storage import put_slot
 from mlx_h2o.kernels import H2OFold, H2OStep
@@ -96,9 +97,9 @@ def on_cpu():
 
 @pytest.fixture
 def emulated_kernel(monkeypatch):
-    monkeypatch.setattr(h2o_module, "gpu_backend", lambda: "emulated")
-    monkeypatch.setattr(h2o_module, "h2o_step_supported", lambda *a, **k: True)
-    monkeypatch.setattr(h2o_module, "make_plan", emulated_plan)
+    monkeypatch.setattr(steps_module, "gpu_backend", lambda: "emulated")
+    monkeypatch.setattr(steps_module, "h2o_step_supported", lambda *a, **k: True)
+    monkeypatch.setattr(steps_module, "make_plan", emulated_plan)
 
 
 def drive(cache, lengths, seed, trim_at=None, dim=D):
@@ -152,7 +153,7 @@ def test_deferred_steps_skip_the_fused_launch(emulated_kernel):
 def test_deferred_metadata_on_the_op_by_op_path(emulated_kernel, monkeypatch, window):
     """A GPU cache defers a decode token's position/scores to the fused step; when a
     step takes the op-by-op path instead, it must write them itself."""
-    monkeypatch.setattr(h2o_module, "h2o_step_supported", lambda *a, **k: False)
+    monkeypatch.setattr(steps_module, "h2o_step_supported", lambda *a, **k: False)
     cfg = H2OConfig(max_size=12, sink_size=2, heavy_budget=5, score="accumulated")
     lengths = [5] + [1] * 10 + [9] + [1] * 15
     deferred, plain = H2OKVCache(cfg, window), H2OKVCache(cfg, window)
@@ -166,9 +167,9 @@ def test_deferred_metadata_on_the_op_by_op_path(emulated_kernel, monkeypatch, wi
 @pytest.fixture
 def emulated_fold_kernel(monkeypatch):
     # A GPU as the cache sees it: decode metadata is deferred to the kernels.
-    monkeypatch.setattr(h2o_module, "gpu_backend", lambda: "emulated")
+    monkeypatch.setattr(steps_module, "gpu_backend", lambda: "emulated")
     monkeypatch.setattr(h2o_module, "fold_step_supported", lambda *a, **k: True)
-    monkeypatch.setattr(h2o_module, "h2o_fold_step", emulated_fold)
+    monkeypatch.setattr(steps_module, "h2o_fold_step", emulated_fold)
 
 
 @pytest.mark.parametrize("mode", ["ema", "accumulated", "normalized"])

@@ -8,11 +8,11 @@ from mlx_lm.models.base import create_causal_mask
 
 from .. import policy
 from ..config import H2OConfig, config_from_dict, config_to_dict
-from ..kernels import fold_step_supported, gpu_backend, h2o_fold_step, h2o_step_supported
-from ..kernels import make_plan, queue_fold, queue_fold_supported
+from ..kernels import fold_step_supported, queue_fold, queue_fold_supported
 from .batch import batch_event
 from .deferred import DEFERRABLE, ScoreQueue, batch_fold, queued_queries
-from .ops_step import compiled_fill, compiled_step, slot_priority, zone_arrays
+from .ops_step import slot_priority
+from .steps import DecodeSteps
 from .storage import DenseKV, fresh_slot, resize_slots, take_slots
 
 NO_SCORES = (
@@ -41,7 +41,7 @@ def _folded(name):
     return property(get, put)
 
 
-class H2OKVCache:
+class H2OKVCache(DecodeSteps):
     """mlx-lm KV cache with H2O eviction.
 
     Storage is slot based: preallocated (B, n_kv_heads, slots, D) buffers with a
@@ -50,20 +50,11 @@ class H2OKVCache:
     token order and masks come from positions. Chunks of L > 1 tokens are
     appended, attended in full, then compacted once to ``max_size``.
     ``offset`` counts every token seen (it drives RoPE), never the slots used.
+    The decode steps that fold without the op-by-op path (GPU kernels, group
+    steps, compiled CPU steps) come from cache/steps.py.
     """
 
     storage_cls = DenseKV
-    # GPU decode: one fused launch attends, folds scores and picks the next
-    # victim (kernels.h2o_decode_step); False keeps the op-by-op path.
-    use_fused_step = True
-    # The fused step reads the whole K/V buffers with a valid count (fixed
-    # shapes: its compiled launch replays while the cache fills); False passes
-    # the fetched views instead (kept to compare the two in benchmarks).
-    fused_whole_buffers = True
-    # Decode steps that take the op-by-op attention (quantized storage, masks)
-    # fold their scores and pick the next victim in one GPU launch
-    # (kernels.h2o_fold_step); subclasses that move tokens on eviction opt out.
-    fold_on_gpu = True
     # Decode steps that evict nothing attend with MLX's SDPA and fold their
     # scores in batches of ``defer_steps`` (cache/deferred.py): no custom
     # launch and no metadata writes per step while the cache fills.
@@ -75,14 +66,6 @@ class H2OKVCache:
     # On a GPU, queue folds run kernels/queued.py: three launches that write
     # no logits (False: the ops fold, kept to compare the two in benchmarks).
     fold_queue_on_gpu = True
-    # On the CPU, an evicting decode step's attention, fold and next victim
-    # run as one compiled function (cache/ops_step.py) instead of ~90 ops.
-    compile_ops_step = True
-    # Evicting decode steps folded with other layers' in one launch per token
-    # (cache/group.py): make_h2o_cache sets the group on a GPU backend.
-    _group = None
-    _group_scale = None  # the scale of the query this cache last pushed
-    group_steps = True  # False: never join a group (per-layer steps only)
     # config.evict_batch > 1 applies (subclasses that move tokens between
     # storage zones on eviction opt out).
     batch_eviction = True
@@ -474,129 +457,6 @@ class H2OKVCache:
         # After a prompt compaction the metadata can be shorter than the buffer.
         cap = min(self.kv.capacity, self._score.shape[-1])
         return min(cap, -(-n // self.config.step) * self.config.step)
-
-    # --- group steps (cache/group.py) -------------------------------------------
-    def groupable(self) -> bool:
-        """Whether this cache's evicting decode steps can join a StepGroup."""
-        return (self.group_steps and self.window_size is None and self.use_fused_step
-                and not self._batched() and getattr(self.kv, "group_kind", None) is not None)
-
-    def _group_step(self, queries, mask, sinks) -> bool:
-        # The evicting steady state: the token went into a victim slot of a
-        # full cache, nothing masks the step. group_steps = False on a member
-        # takes it out at its next step.
-        return (self.group_steps and self._slot is not None and mask is None and sinks is None
-                and self.use_fused_step and self._n == self.max_size
-                and self.window_size is None and self._group.takes(self, queries))
-
-    def _leave_group(self):
-        """Take this cache's metadata back from its group (it folds what is pending)."""
-        if self._group is not None and self._group.holds(self):
-            self._group.release()
-
-    # --- fused GPU decode step ---------------------------------------------------
-    def _may_fold(self) -> bool:
-        return self.fold_on_gpu and gpu_backend() is not None
-
-    def _may_fuse(self) -> bool:
-        return self.use_fused_step and type(self.kv) is DenseKV and gpu_backend() is not None
-
-    def _fused_plan(self, queries, keys, values, scale, mask, sinks):
-        """The fused step's StepPlan for this call, or None (op-by-op path)."""
-        if queries.shape[2] != 1 or not self._may_fuse() or isinstance(mask, str):
-            return None
-        if mask is not None:  # array masks: checked and planned per call
-            if not h2o_step_supported(queries, keys, values, self.positions, mask, sinks):
-                return None
-            return self._make_plan(queries, keys, scale, mask, sinks)
-        # Unmasked: support and plan depend on the device and shapes only (the
-        # buffers' capacity included): decided once per signature, one lookup
-        # per step (host time is what a decode step costs, docs/GPU.md).
-        key = (mx.default_device(), queries.shape, queries.dtype, keys.dtype, values.dtype,
-               values.shape[3], self._positions.shape, scale,
-               None if sinks is None else sinks.shape)
-        if key != self._plan_key:
-            ok = h2o_step_supported(queries, keys, values, self._positions, None, sinks)
-            self._plan = self._make_plan(queries, keys, scale, None, sinks) if ok else None
-            self._plan_key = key
-        return self._plan
-
-    def _make_plan(self, queries, keys, scale, mask, sinks):
-        cfg = self.config
-        return make_plan(
-            queries, keys, self.positions, mask, sinks, mode=cfg.score, alpha=cfg.ema_alpha,
-            scale=scale, sink_size=cfg.sink_size, recent_budget=cfg.recent_budget,
-            pinned=cfg.pinned, window_size=self.window_size,
-        )
-
-    def _fused_step(self, plan, queries, keys, values, mask, sinks):
-        slot, n = self._slot, self._n
-        if mask is None and self.fused_whole_buffers:
-            # Whole buffers + a valid count: shapes only change when the buffers
-            # grow, so the plan's compiled launch replays on every other step.
-            keys, values = self.kv.keys, self.kv.values
-        res = plan(
-            queries, keys, values, self._positions, self._score, self._count,
-            slot, n - 1 if slot is None else None, self.offset, mask, sinks, valid=n,
-        )
-        self._take_step(res)
-        return res.out
-
-    def _fold_step(self, out, logits, lse):
-        cfg, slot, n = self.config, self._slot, self._n
-        res = h2o_fold_step(
-            logits, lse, self.positions, self.score, self.count, slot=slot,
-            append_slot=n - 1 if slot is None else None, offset=self.offset,
-            mode=cfg.score, alpha=cfg.ema_alpha, sink_size=cfg.sink_size,
-            recent_budget=cfg.recent_budget, pinned=cfg.pinned, window_size=self.window_size,
-        )
-        self._take_step(res)
-        return self._with_metadata(out)
-
-    def _take_step(self, res):
-        """A GPU step's results (H2OStep or H2OFold): the state it wrote, and the
-        victim the next decode token goes to once the cache is full."""
-        self._positions, self._score, self._count = res.positions, res.score, res.count
-        self._victim = res.victim if self._n >= self.max_size else None
-        self._slot, self._meta_pending, self._pending = None, False, False
-
-    # --- compiled evicting step (cache/ops_step.py) -----------------------------
-    def _steps_compiled(self, queries, mask, sinks) -> bool:
-        """An evicting decode step on the CPU of a plain full cache (this token
-        went into a victim slot; metadata as long as the buffer; no mask but
-        the layer's own window)."""
-        return (self.compile_ops_step and self._slot is not None and queries.shape[2] == 1
-                and mask is None and sinks is None
-                and mx.default_device() == mx.cpu and type(self.kv) is DenseKV
-                and not self._batched() and self._n == self.kv.capacity == self._positions.shape[2])
-
-    def _compiled_step(self, queries, keys, values, scale):
-        """The step in one compiled call; it picks the next token's victim, which
-        update_and_fetch then writes into (as after a fused GPU step)."""
-        cfg = self.config
-        step = compiled_step(cfg, float(scale), self.window_size)
-        out, self._positions, self._score, self._count, self._victim = step(
-            queries, keys, values, self._positions, self._score, self._count, self._slot,
-            mx.array(self.offset, mx.int32), *zone_arrays(cfg.sink_size, cfg.recent_budget))
-        self._slot, self._meta_pending, self._pending = None, False, False
-        return self._with_metadata(out)
-
-    def _fills_compiled(self, queries, mask, sinks) -> bool:
-        """A decode step on the CPU that appended (metadata written) and folds
-        now: a window layer or an EMA mode below the budget."""
-        return (self.compile_ops_step and self._slot is None and not self._meta_pending
-                and queries.shape[2] == 1 and mask is None and sinks is None
-                and mx.default_device() == mx.cpu and type(self.kv) is DenseKV
-                and not self._lingering and self._n <= self.max_size
-                and self.kv.capacity == self._positions.shape[2])
-
-    def _compiled_fill(self, queries, scale):
-        fill = compiled_fill(self.config, float(scale), self.window_size)
-        out, self._score, self._count = fill(
-            queries, self.kv.keys, self.kv.values, self._positions, self._score,
-            self._count, mx.array(self._n, mx.int32), mx.array(self.offset, mx.int32))
-        self._pending = False
-        return self._with_metadata(out)
 
     # --- batched eviction (config.evict_batch > 1) -------------------------------
     def _batched(self) -> bool:
