@@ -6,12 +6,16 @@ keep its queries; their scores are folded in one batched pass every few steps,
 or as soon as anything reads the cache's metadata. For summed scores
 (``accumulated``, ``normalized``) the batched fold equals the per-step folds
 up to float summation order: keys are only appended meanwhile, and each query
-is masked to the keys that existed at its step.
+is masked to the keys that existed at its step. ``DeferredScores`` is the
+cache's side of it (a mixin of H2OKVCache, which owns the state).
 """
 
 from typing import List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
+
+from ..kernels import queue_fold, queue_fold_supported
+from .storage import DenseKV
 
 # Score modes whose fold is a plain sum over queries (EMA modes are not).
 DEFERRABLE = ("accumulated", "normalized")
@@ -121,3 +125,101 @@ def _bias(visible: mx.array) -> mx.array:
 
 def queued_queries(items: List[QueuedQuery]) -> mx.array:
     return mx.concatenate([it.queries for it in items], axis=2)  # (B, n_heads, T, D)
+
+
+class DeferredScores:
+    """H2OKVCache's decode steps below the budget that queue their scores
+    (a mixin: the cache owns ``_queue`` and the metadata)."""
+
+    # Decode steps that evict nothing attend with MLX's SDPA and fold their
+    # scores in batches of ``defer_steps``: no custom launch and no metadata
+    # writes per step while the cache fills.
+    defer_scores = True
+    defer_steps = 128
+    # Queue folds read n rounded up to config.step slots (fixed shapes); False
+    # reads exactly n (kept to compare the two in benchmarks).
+    fixed_fold_width = True
+    # On a GPU, queue folds run kernels/queued.py: three launches that write
+    # no logits (False: the ops fold, kept to compare the two in benchmarks).
+    fold_queue_on_gpu = True
+
+    def set_fold_phase(self, phase: int) -> None:
+        """Stagger this layer's batched score folds (make_h2o_cache: layer index).
+
+        Batch evictions (``evict_batch``) are not staggered: every layer's
+        event falls on the same token, so the other tokens' graphs stay
+        identical (MLX's CUDA backend caches graphs by topology; staggered
+        events measured 0.78-0.90 of Rotating against 0.90-1.03, docs/GPU.md)."""
+        self._queue = ScoreQueue(self.defer_steps, phase)
+
+    def _may_defer(self) -> bool:
+        # Sliding-window layers mask by position and EMA modes are not sums:
+        # both keep the per-step fold.
+        return (self.defer_scores and self.window_size is None
+                and self.config.score in DEFERRABLE and type(self.kv) is DenseKV)
+
+    def _deferred_attention(self, queries, keys, values, scale):
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
+        if not self._queue.items:  # decided once per fold, not per step
+            self._queue_kernel = self.fold_queue_on_gpu and queue_fold_supported(
+                queries, keys, queued=self._queue.steps)  # the kernel takes a full queue
+            self._queue.start(queries, self._n,
+                              None if self._queue_kernel else self._fold_width(self._n))
+        due = self._queue.push(queries, self._n, self.offset - 1, scale)
+        self._meta_pending = self._pending = False  # the queue owns them now
+        if due:
+            self._fold_queue()
+            out = self._with_metadata(out)
+        return out
+
+    def _fold_queue(self):
+        """Fold the queued decode queries' scores and write their tokens' metadata."""
+        items = self._queue.take()
+        first, n = items[0].n - 1, items[-1].n
+        # Queued tokens are consecutive (anything else folds the queue first);
+        # their slots' scores are zero (fresh buffer, or zeroed by trim).
+        self._positions[..., first:n] = mx.arange(items[0].position, items[0].position + n - first)
+        keys = self.kv.dense_keys(self.kv.capacity)
+        # Checked again: a read of the metadata can fold under another default
+        # device than the first push saw (e.g. a CPU stream); the ops fold runs there.
+        if self._queue_kernel and queue_fold_supported(items[0].queries, keys, len(items)):
+            self._score, self._count = queue_fold(
+                queued_queries(items), keys, [it.n for it in items], items[0].scale,
+                self._score, self._count)
+            return
+        w = self._fold_width(n)
+        step, seen = batch_fold(items, self.kv.dense_keys(w))
+        if w == self._score.shape[-1]:
+            self._score, self._count = self._score + step, self._count + seen
+        else:
+            self._score[..., :w] = self._score[..., :w] + step
+            self._count[..., :w] = self._count[..., :w] + seen
+
+    def _fold_width(self, n: int) -> int:
+        """Slots a fold of the queue reads: ``n`` rounded up to ``config.step``
+        (or the whole buffer). Slots a query does not see add exact zeros, and
+        the fold's shapes repeat for up to ``step`` tokens instead of changing
+        every token (H100, 16K context without eviction: 0.840 of KVCache's
+        tok/s against 0.792 with folds of exactly ``n``; docs/GPU.md)."""
+        if not self.fixed_fold_width:
+            return n
+        # After a prompt compaction the metadata can be shorter than the buffer.
+        cap = min(self.kv.capacity, self._score.shape[-1])
+        return min(cap, -(-n // self.config.step) * self.config.step)
+
+    def _fills_deferred(self) -> bool:
+        """A decode token below the budget whose scores go to the queue."""
+        return (self._n < self.max_size and self._may_defer()
+                and (self._group is None or not self._group.waits_for(self)))
+
+    def _append_decode(self, keys, values):
+        """What the general path does for a decode token that appends and
+        queues its scores (below the budget, or between two batch events),
+        without its checks: this step runs every token of every layer, and
+        decode is host bound on the GPU (docs/GPU.md)."""
+        n = self._n
+        self.kv.write(n, keys, values)
+        self._n, self.offset = n + 1, self.offset + 1
+        self._slot = self._victim = None
+        self._lazy = self._pending = self._meta_pending = True
+        return self._fetch()

@@ -8,9 +8,9 @@ from mlx_lm.models.base import create_causal_mask
 
 from .. import policy
 from ..config import H2OConfig, config_from_dict, config_to_dict
-from ..kernels import fold_step_supported, queue_fold, queue_fold_supported
+from ..kernels import fold_step_supported
 from .batch import batch_event
-from .deferred import DEFERRABLE, ScoreQueue, batch_fold, queued_queries
+from .deferred import DeferredScores, ScoreQueue
 from .ops_step import slot_priority
 from .steps import DecodeSteps
 from .storage import DenseKV, fresh_slot, resize_slots, take_slots
@@ -41,7 +41,7 @@ def _folded(name):
     return property(get, put)
 
 
-class H2OKVCache(DecodeSteps):
+class H2OKVCache(DeferredScores, DecodeSteps):
     """mlx-lm KV cache with H2O eviction.
 
     Storage is slot based: preallocated (B, n_kv_heads, slots, D) buffers with a
@@ -51,21 +51,11 @@ class H2OKVCache(DecodeSteps):
     appended, attended in full, then compacted once to ``max_size``.
     ``offset`` counts every token seen (it drives RoPE), never the slots used.
     The decode steps that fold without the op-by-op path (GPU kernels, group
-    steps, compiled CPU steps) come from cache/steps.py.
+    steps, compiled CPU steps) come from cache/steps.py, those that queue their
+    scores below the budget from cache/deferred.py.
     """
 
     storage_cls = DenseKV
-    # Decode steps that evict nothing attend with MLX's SDPA and fold their
-    # scores in batches of ``defer_steps`` (cache/deferred.py): no custom
-    # launch and no metadata writes per step while the cache fills.
-    defer_scores = True
-    defer_steps = 128
-    # Queue folds read n rounded up to config.step slots (fixed shapes); False
-    # reads exactly n (kept to compare the two in benchmarks).
-    fixed_fold_width = True
-    # On a GPU, queue folds run kernels/queued.py: three launches that write
-    # no logits (False: the ops fold, kept to compare the two in benchmarks).
-    fold_queue_on_gpu = True
     # config.evict_batch > 1 applies (subclasses that move tokens between
     # storage zones on eviction opt out).
     batch_eviction = True
@@ -385,36 +375,6 @@ class H2OKVCache(DecodeSteps):
             self.positions, self.score, self.count, slot, position)
         self._meta_pending = False
 
-    # --- deferred scores (cache/deferred.py) ------------------------------------
-    def set_fold_phase(self, phase: int) -> None:
-        """Stagger this layer's batched score folds (make_h2o_cache: layer index).
-
-        Batch evictions (``evict_batch``) are not staggered: every layer's
-        event falls on the same token, so the other tokens' graphs stay
-        identical (MLX's CUDA backend caches graphs by topology; staggered
-        events measured 0.78-0.90 of Rotating against 0.90-1.03, docs/GPU.md)."""
-        self._queue = ScoreQueue(self.defer_steps, phase)
-
-    def _may_defer(self) -> bool:
-        # Sliding-window layers mask by position and EMA modes are not sums:
-        # both keep the per-step fold.
-        return (self.defer_scores and self.window_size is None
-                and self.config.score in DEFERRABLE and type(self.kv) is DenseKV)
-
-    def _deferred_attention(self, queries, keys, values, scale):
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
-        if not self._queue.items:  # decided once per fold, not per step
-            self._queue_kernel = self.fold_queue_on_gpu and queue_fold_supported(
-                queries, keys, queued=self._queue.steps)  # the kernel takes a full queue
-            self._queue.start(queries, self._n,
-                              None if self._queue_kernel else self._fold_width(self._n))
-        due = self._queue.push(queries, self._n, self.offset - 1, scale)
-        self._meta_pending = self._pending = False  # the queue owns them now
-        if due:
-            self._fold_queue()
-            out = self._with_metadata(out)
-        return out
-
     def _with_metadata(self, out):
         """``out``, evaluated together with the metadata a decode step updated.
         Nothing else reads it until a decision does; left lazy, each update's
@@ -422,41 +382,6 @@ class H2OKVCache(DecodeSteps):
         context grew by ~5 GB per 128 tokens and ran out of memory,
         docs/GPU.md, session 11)."""
         return mx.depends(out, [self._positions, self._score, self._count])
-
-    def _fold_queue(self):
-        """Fold the queued decode queries' scores and write their tokens' metadata."""
-        items = self._queue.take()
-        first, n = items[0].n - 1, items[-1].n
-        # Queued tokens are consecutive (anything else folds the queue first);
-        # their slots' scores are zero (fresh buffer, or zeroed by trim).
-        self._positions[..., first:n] = mx.arange(items[0].position, items[0].position + n - first)
-        keys = self.kv.dense_keys(self.kv.capacity)
-        # Checked again: a read of the metadata can fold under another default
-        # device than the first push saw (e.g. a CPU stream); the ops fold runs there.
-        if self._queue_kernel and queue_fold_supported(items[0].queries, keys, len(items)):
-            self._score, self._count = queue_fold(
-                queued_queries(items), keys, [it.n for it in items], items[0].scale,
-                self._score, self._count)
-            return
-        w = self._fold_width(n)
-        step, seen = batch_fold(items, self.kv.dense_keys(w))
-        if w == self._score.shape[-1]:
-            self._score, self._count = self._score + step, self._count + seen
-        else:
-            self._score[..., :w] = self._score[..., :w] + step
-            self._count[..., :w] = self._count[..., :w] + seen
-
-    def _fold_width(self, n: int) -> int:
-        """Slots a fold of the queue reads: ``n`` rounded up to ``config.step``
-        (or the whole buffer). Slots a query does not see add exact zeros, and
-        the fold's shapes repeat for up to ``step`` tokens instead of changing
-        every token (H100, 16K context without eviction: 0.840 of KVCache's
-        tok/s against 0.792 with folds of exactly ``n``; docs/GPU.md)."""
-        if not self.fixed_fold_width:
-            return n
-        # After a prompt compaction the metadata can be shorter than the buffer.
-        cap = min(self.kv.capacity, self._score.shape[-1])
-        return min(cap, -(-n // self.config.step) * self.config.step)
 
     # --- batched eviction (config.evict_batch > 1) -------------------------------
     def _batched(self) -> bool:
@@ -482,23 +407,6 @@ class H2OKVCache(DecodeSteps):
         self._n = keep
         self.evicted += n - keep
         self._lingering = self._may_defer() and n == self.kv.capacity
-
-    def _fills_deferred(self) -> bool:
-        """A decode token below the budget whose scores go to the queue."""
-        return (self._n < self.max_size and self._may_defer()
-                and (self._group is None or not self._group.waits_for(self)))
-
-    def _append_decode(self, keys, values):
-        """What the general path does for a decode token that appends and
-        queues its scores (below the budget, or between two batch events),
-        without its checks: this step runs every token of every layer, and
-        decode is host bound on the GPU (docs/GPU.md)."""
-        n = self._n
-        self.kv.write(n, keys, values)
-        self._n, self.offset = n + 1, self.offset + 1
-        self._slot = self._victim = None
-        self._lazy = self._pending = self._meta_pending = True
-        return self._fetch()
 
     def _batch_event(self, keep):
         items, kv = self._queue.take(), self.kv
