@@ -86,7 +86,8 @@ def rotating_caches(layers, budget):
     return caches
 
 
-def rotating_token(caches, q, k1, scale):
+def mlx_lm_token(caches, q, k1, scale):
+    """One decode token through mlx-lm caches (RotatingKVCache or KVCache) and SDPA."""
     outs = []
     for c in caches:
         keys, values = c.update_and_fetch(k1, k1)
@@ -115,8 +116,8 @@ def kvcache_caches(layers, budget):
 
 
 PATHS = {
-    "evict": (("rotating", rotating_caches, rotating_token), ("h2o_group", h2o_caches, h2o_token)),
-    "fill": (("kvcache", kvcache_caches, rotating_token), ("h2o_fill", filling_caches, h2o_token)),
+    "evict": (("rotating", rotating_caches, mlx_lm_token), ("h2o_group", h2o_caches, h2o_token)),
+    "fill": (("kvcache", kvcache_caches, mlx_lm_token), ("h2o_fill", filling_caches, h2o_token)),
 }
 
 

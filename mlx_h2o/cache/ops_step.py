@@ -32,6 +32,12 @@ def slot_priority(config: H2OConfig, positions, score, count, offset, window_siz
     return policy.priority(ranked, keep, positions, offset, window_size)
 
 
+def in_window(positions, offset, window_size: int):
+    """Slots the newest query (position ``offset - 1``) of a sliding-window
+    layer still sees, as H2OKVCache._position_mask gives them for one query."""
+    return positions > offset - 1 - window_size
+
+
 def evict_step(config: H2OConfig, scale: float, queries, keys, values, positions, score,
                count, slot, offset, zones=None, window_size=None):
     """One decode query whose token went into ``slot``: the slot gets position
@@ -45,8 +51,7 @@ def evict_step(config: H2OConfig, scale: float, queries, keys, values, positions
     ``offset`` and ``zones`` as in slot_priority.
     Returns (out, positions, score, count, victim (B, Hk, 1, 1) int32)."""
     p, s, c = fresh_slot(positions, score, count, slot, offset - 1)
-    # A window hides positions <= offset - 1 - window (H2OKVCache._position_mask).
-    seen = None if window_size is None else (p > offset - 1 - window_size)[:, :, None]
+    seen = None if window_size is None else in_window(p, offset, window_size)[:, :, None]
     out, logits, lse = reference.scaled_dot_product_attention_with_scores(
         queries, keys, values, scale=scale, mask=seen)
     s, c = policy.fold_scores(config.score, s, c, logits, lse, config.ema_alpha)
@@ -85,7 +90,7 @@ def fill_step(config: H2OConfig, scale: float, queries, keys, values, positions,
     ``offset`` are int32 scalar arrays. Returns (out, score, count)."""
     seen = mx.arange(positions.shape[-1]) < n  # (C,)
     if window_size is not None:
-        seen = (seen & (positions > offset - 1 - window_size))[:, :, None]  # (B, Hk, 1, C)
+        seen = (seen & in_window(positions, offset, window_size))[:, :, None]  # (B, Hk, 1, C)
     out, logits, lse = reference.scaled_dot_product_attention_with_scores(
         queries, keys, values, scale=scale, mask=seen)
     score, count = policy.fold_scores(config.score, score, count, logits, lse,

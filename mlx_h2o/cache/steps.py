@@ -8,7 +8,7 @@ token for a group of layers (cache/group.py); on the CPU, one compiled call
 
 import mlx.core as mx
 
-from ..kernels import gpu_backend, h2o_fold_step, h2o_step_supported, make_plan
+from ..kernels import H2OFold, gpu_backend, h2o_fold_step, h2o_step_supported, make_plan
 from .ops_step import compiled_fill, compiled_step, zone_arrays
 from .storage import DenseKV
 
@@ -115,41 +115,42 @@ class DecodeSteps:
         return self._with_metadata(out)
 
     def _take_step(self, res):
-        """A GPU step's results (H2OStep or H2OFold): the state it wrote, and the
-        victim the next decode token goes to once the cache is full."""
+        """A fused GPU or compiled CPU step's results (H2OStep or H2OFold): the
+        state it wrote, and the victim the next decode token goes to once the
+        cache is full."""
         self._positions, self._score, self._count = res.positions, res.score, res.count
         self._victim = res.victim if self._n >= self.max_size else None
         self._slot, self._meta_pending, self._pending = None, False, False
 
-    # --- compiled evicting step (cache/ops_step.py) -----------------------------
+    # --- compiled CPU steps (cache/ops_step.py) ---------------------------------
+    def _compiles_here(self, queries, mask, sinks) -> bool:
+        """One query, no mask but the layer's own window, on the CPU, over
+        dense buffers whose metadata is as long as they are."""
+        return (self.compile_ops_step and queries.shape[2] == 1 and mask is None
+                and sinks is None and mx.default_device() == mx.cpu
+                and type(self.kv) is DenseKV and self.kv.capacity == self._positions.shape[2])
+
     def _steps_compiled(self, queries, mask, sinks) -> bool:
-        """An evicting decode step on the CPU of a plain full cache (this token
-        went into a victim slot; metadata as long as the buffer; no mask but
-        the layer's own window)."""
-        return (self.compile_ops_step and self._slot is not None and queries.shape[2] == 1
-                and mask is None and sinks is None
-                and mx.default_device() == mx.cpu and type(self.kv) is DenseKV
-                and not self._batched() and self._n == self.kv.capacity == self._positions.shape[2])
+        """An evicting decode step of a full cache (this token went into a victim slot)."""
+        return (self._slot is not None and not self._batched()
+                and self._n == self.kv.capacity and self._compiles_here(queries, mask, sinks))
 
     def _compiled_step(self, queries, keys, values, scale):
         """The step in one compiled call; it picks the next token's victim, which
         update_and_fetch then writes into (as after a fused GPU step)."""
         cfg = self.config
         step = compiled_step(cfg, float(scale), self.window_size)
-        out, self._positions, self._score, self._count, self._victim = step(
+        out, *state = step(
             queries, keys, values, self._positions, self._score, self._count, self._slot,
             mx.array(self.offset, mx.int32), *zone_arrays(cfg.sink_size, cfg.recent_budget))
-        self._slot, self._meta_pending, self._pending = None, False, False
+        self._take_step(H2OFold(*state))
         return self._with_metadata(out)
 
     def _fills_compiled(self, queries, mask, sinks) -> bool:
-        """A decode step on the CPU that appended (metadata written) and folds
-        now: a window layer or an EMA mode below the budget."""
-        return (self.compile_ops_step and self._slot is None and not self._meta_pending
-                and queries.shape[2] == 1 and mask is None and sinks is None
-                and mx.default_device() == mx.cpu and type(self.kv) is DenseKV
-                and not self._lingering and self._n <= self.max_size
-                and self.kv.capacity == self._positions.shape[2])
+        """A decode step that appended (metadata written) and folds now: a
+        window layer or an EMA mode below the budget."""
+        return (self._slot is None and not self._meta_pending and not self._lingering
+                and self._n <= self.max_size and self._compiles_here(queries, mask, sinks))
 
     def _compiled_fill(self, queries, scale):
         fill = compiled_fill(self.config, float(scale), self.window_size)
