@@ -1,7 +1,7 @@
 #!/bin/sh
 # One device call: install MLX CUDA (if given), then check and time the kernels.
 #
-#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|tune|pytest|qfold|qtile|model|ptx]...
+#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|tune|pytest|tests|qfold|qtile|model|realmodel|ptx]...
 #
 # "install" expects .gpu/part1 already copied to /root/mlxw (previous call) and
 # .gpu/part2 and .gpu/lib (mlx_lm) carried now; "ensure" reuses a warm install.
@@ -15,13 +15,13 @@ for step in "$@"; do
   case "$step" in
     install)
       cp .gpu/part2/* /root/mlxw/ && sh /root/mlxw/install.sh /root/site >/dev/null || exit 3
-      cp -r .gpu/lib/mlx_lm /root/site/ || exit 3
+      cp -r .gpu/lib/* /root/site/ || exit 3
       nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
       python3 -c "import mlx.core as mx; print('mlx', mx.__version__, 'cuda', mx.cuda.is_available())"
       ;;
     ensure)  # reuse a warm machine's install; mlx_lm travels in .gpu/lib
       python3 -c "import mlx.core as mx; assert mx.cuda.is_available()" || exit 3
-      [ -d /root/site/mlx_lm ] || cp -r .gpu/lib/mlx_lm /root/site/ || exit 3
+      cp -r .gpu/lib/* /root/site/ || exit 3
       [ -f .gpu/ptx.tgz ] && mkdir -p /tmp/mlx && tar -xzf .gpu/ptx.tgz -C /tmp/mlx
       ;;
     model)  # a real model carried in parts (scripts/gpu_model_parts.sh) -> /root/model
@@ -29,6 +29,19 @@ for step in "$@"; do
       cat $(ls /root/mparts/model.tar.* | sort -t. -k3 -n) | tar -xf - -C /root/model || exit 3
       echo "$(cat /root/mparts/weights.sha256)  /root/model/model.safetensors" | sha256sum -c - || exit 3
       ;;
+    tests)  # every test file with a GPU path, on the GPU
+      timeout 450 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py \
+        tests/test_group_fold_gpu.py tests/test_queue_fold_gpu.py tests/test_fused_wiring.py \
+        tests/test_step_group.py tests/test_deferred_scores.py tests/test_kv_write_gpu.py \
+        tests/test_quantized_kernel.py tests/test_evict_batch.py tests/test_ops_step.py \
+        2>&1 | tee "$OUT/pytest_gpu.log" | tail -6 ;;
+    realmodel)  # the decode benchmark on the carried real model (after "model")
+      for cb in 256:256 4096:256 4096:1024 16384:1024; do
+        python3 scripts/gpu_split.py --model /root/model --no-trace --pin 5 --rounds 6 \
+          --steps 64 --context ${cb%:*} --budget ${cb#*:} --strategies kvcache rotating \
+          h2o_no_evict h2o h2o_batch64 2>&1 | tee "$OUT/real_${cb%:*}_${cb#*:}.log" \
+          | grep -v "^round\|^{" || status=1
+      done ;;
     ptx)  # bring compiled kernels back, so a cold machine skips NVRTC
       tar -czf "$OUT/ptx.tgz" -C /tmp/mlx . && ls -la "$OUT/ptx.tgz" ;;
     quick) python3 scripts/gpu_check.py --quick --fused-steps 120 2>&1 | tee "$OUT/check_quick.log" || status=1 ;;
