@@ -16,7 +16,7 @@ from mlx_h2o.cache import (
     quantized_cache_type,
     save_prompt_cache,
 )
-from mlx_h2o.cache.quantized_storage import MixedKV
+from mlx_h2o.cache.mixed_storage import MixedKV
 
 D, HQ, HK, GS = 64, 4, 2, 32
 STREAM = [5, 1, 1, 20, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 3, 1, 1, 1, 1, 30] + [1] * 12

@@ -9,11 +9,10 @@ from mlx_lm.models.base import create_causal_mask
 from .. import policy
 from ..config import H2OConfig, config_from_dict, config_to_dict
 from ..kernels import fold_step_supported
-from .batch import batch_event
 from .deferred import DeferredScores, ScoreQueue
-from .ops_step import slot_priority
+from .slots import Slots
 from .steps import DecodeSteps
-from .storage import DenseKV, fresh_slot, resize_slots, take_slots
+from .storage import DenseKV
 
 NO_SCORES = (
     "H2OKVCache.update_and_fetch was called again before the attention of the "
@@ -41,7 +40,7 @@ def _folded(name):
     return property(get, put)
 
 
-class H2OKVCache(DeferredScores, DecodeSteps):
+class H2OKVCache(Slots, DeferredScores, DecodeSteps):
     """mlx-lm KV cache with H2O eviction.
 
     Storage is slot based: preallocated (B, n_kv_heads, slots, D) buffers with a
@@ -52,13 +51,11 @@ class H2OKVCache(DeferredScores, DecodeSteps):
     ``offset`` counts every token seen (it drives RoPE), never the slots used.
     The decode steps that fold without the op-by-op path (GPU kernels, group
     steps, compiled CPU steps) come from cache/steps.py, those that queue their
-    scores below the budget from cache/deferred.py.
+    scores below the budget from cache/deferred.py, slot bookkeeping (appends,
+    victims, compaction, batched eviction, masks) from cache/slots.py.
     """
 
     storage_cls = DenseKV
-    # config.evict_batch > 1 applies (subclasses that move tokens between
-    # storage zones on eviction opt out).
-    batch_eviction = True
 
     positions = _folded("positions")  # (B, Hk, cap) int32 token position per slot
     score = _folded("score")  # (B, Hk, cap) float32 accumulated score
@@ -318,63 +315,7 @@ class H2OKVCache(DeferredScores, DecodeSteps):
         obj.state = state
         return obj
 
-    # --- slots ----------------------------------------------------------------
-    def _append(self, keys, values, meta=True):
-        L, n = keys.shape[2], self._n
-        need = n + L
-        if need > self.kv.capacity:
-            self._grow(need, keys, values)
-        self.kv.write(n, keys, values)
-        self._n = need
-        if meta:
-            self._write_append_meta(n, L, self.offset)
-
-    def _write_append_meta(self, n, L, first):
-        self.positions[..., n : n + L] = mx.arange(first, first + L)
-        self.score[..., n : n + L] = 0.0
-        self.count[..., n : n + L] = 0.0
-
-    def _write_pending_meta(self):
-        """The last decode token's position and scores, when no fused step wrote them."""
-        if self._slot is None:
-            self._write_append_meta(self._n - 1, 1, self.offset - 1)
-            self._meta_pending = False
-        else:
-            self._write_slot_meta(self._slot)
-
-    def _grow(self, need, keys, values):
-        step, cap, n = self.config.step, self.max_size, self._n
-        # Grow in steps up to max_size; a chunk past the budget gets exact room.
-        size = min(-(-need // step) * step, cap) if need <= cap else need
-        self._lingering = False
-        self.kv.resize(n, size, keys, values)
-        shape = (*keys.shape[:2], size)
-        self.positions = resize_slots(self.positions, n, shape, mx.int32)
-        self.score = resize_slots(self.score, n, shape, mx.float32)
-        self.count = resize_slots(self.count, n, shape, mx.float32)
-
-    def _priority(self, offset):
-        n = self._n
-        pos = self.positions[..., :n]
-        score, count = self.score[..., :n], self.count[..., :n]
-        return slot_priority(self.config, pos, score, count, offset, self.window_size), pos
-
-    def _write_into_victim(self, keys, values):
-        pri, pos = self._priority(self.offset + 1)
-        # int32: a fused step may read it next (argmin gives uint32).
-        slot = policy.select_victim(pri, pos).astype(mx.int32)[..., None]  # (B, Hk, 1)
-        self.kv.write_slot(slot, keys, values)
-        self._write_slot_meta(slot, self.offset)
-        self.evicted += 1
-        return slot
-
-    def _write_slot_meta(self, slot, position=None):
-        """Position of the token written into ``slot``, with fresh scores."""
-        position = self.offset - 1 if position is None else position
-        self.positions, self.score, self.count = fresh_slot(
-            self.positions, self.score, self.count, slot, position)
-        self._meta_pending = False
-
+    # --- decode step results ------------------------------------------------------
     def _with_metadata(self, out):
         """``out``, evaluated together with the metadata a decode step updated.
         Nothing else reads it until a decision does; left lazy, each update's
@@ -382,73 +323,6 @@ class H2OKVCache(DeferredScores, DecodeSteps):
         context grew by ~5 GB per 128 tokens and ran out of memory,
         docs/GPU.md, session 11)."""
         return mx.depends(out, [self._positions, self._score, self._count])
-
-    # --- batched eviction (config.evict_batch > 1) -------------------------------
-    def _batched(self) -> bool:
-        return self.batch_eviction and self.config.evict_batch > 1
-
-    def _evict_batch(self):
-        """Evict ``evict_batch`` tokens of a full cache at once: the kept ones go
-        first (best first), the evicted ones after them, and the next
-        decode tokens append (slice updates) over the evicted ones, which
-        decode steps still attend until then (the whole buffer, as
-        RotatingKVCache: no slice per step)."""
-        self._leave_group()
-        n = self._n
-        keep = n - self.config.evict_batch
-        if type(self.kv) is DenseKV and self.window_size is None and n == self.kv.capacity:
-            self._batch_event(keep)  # one pass (cache/batch.py)
-        else:
-            # As the per-step victim choice; reading the metadata folds the queue.
-            pri, pos = self._priority(self.offset + 1)
-            self._gather(policy.keep_then_evict(pri, pos, keep))
-            self._score[..., keep:] = 0.0  # appended tokens start unscored
-            self._count[..., keep:] = 0.0
-        self._n = keep
-        self.evicted += n - keep
-        self._lingering = self._may_defer() and n == self.kv.capacity
-
-    def _batch_event(self, keep):
-        items, kv = self._queue.take(), self.kv
-        queries = [it.queries for it in items] if items else None
-        kv.keys, kv.values, self._positions, self._score, self._count = batch_event(
-            queries, kv.keys, kv.values, self._positions, self._score, self._count,
-            self.offset, n0=items[0].n if items else 0,
-            scale=items[0].scale if items else 1.0, keep=keep, config=self.config)
-        self._victim = None
-
-    def _compact(self):
-        pri, pos = self._priority(self.offset)
-        self.evicted += self._n - self.max_size
-        self._gather(policy.select_keep(pri, pos, self.max_size))
-
-    def _gather(self, slots):
-        """Keep only ``slots`` (B, Hk, k), in that order."""
-        self._victim, self._lingering = None, False
-        n = self._n
-        self.kv.gather(slots, n)
-        self.positions = take_slots(self.positions, slots, n)
-        self.score = take_slots(self.score, slots, n)
-        self.count = take_slots(self.count, slots, n)
-        self._n = slots.shape[-1]
-
-    # --- masks ----------------------------------------------------------------
-    def _mask(self, L, mask):
-        own = self._position_mask(L)
-        if not isinstance(mask, mx.array):
-            return own
-        if own is None or isinstance(own, str):
-            return mask  # a slot-layout array mask already encodes causality
-        if mask.dtype == mx.bool_:
-            return own & mask
-        return mx.where(own, mask, -mx.inf)
-
-    def _position_mask(self, L):
-        if self.window_size is None or (L == 1 and self.offset <= self.window_size):
-            return None if L == 1 else "causal"
-        q = mx.arange(self.offset - L, self.offset)[:, None]  # (L, 1)
-        k = self.positions[..., None, : self._n]  # (B, Hk, 1, n)
-        return (k <= q) & (k > q - self.window_size)  # (B, Hk, L, n)
 
 
 def _last_rows(mask, W: int):

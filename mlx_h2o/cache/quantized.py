@@ -20,7 +20,8 @@ from ..config import H2OConfig, config_from_dict
 from ..kernels.quantized_reference import BITS, check_quantization
 from .h2o import H2OKVCache
 from .io import register_cache_class
-from .quantized_storage import MixedKV, QuantizedKV
+from .mixed_storage import MixedKV
+from .quantized_storage import QuantizedKV
 from .storage import put_slot, take_slots
 
 
