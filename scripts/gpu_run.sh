@@ -29,12 +29,13 @@ for step in "$@"; do
       cat $(ls /root/mparts/model.tar.* | sort -t. -k3 -n) | tar -xf - -C /root/model || exit 3
       echo "$(cat /root/mparts/weights.sha256)  /root/model/model.safetensors" | sha256sum -c - || exit 3
       ;;
-    tests)  # every test file with a GPU path, on the GPU
-      timeout 450 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py \
-        tests/test_group_fold_gpu.py tests/test_queue_fold_gpu.py tests/test_fused_wiring.py \
-        tests/test_step_group.py tests/test_deferred_scores.py tests/test_kv_write_gpu.py \
-        tests/test_quantized_kernel.py tests/test_evict_batch.py tests/test_ops_step.py \
-        2>&1 | tee "$OUT/pytest_gpu.log" | tail -6 ;;
+    tests)  # every test file with a GPU path (or those in $TESTS), on the GPU
+      all="test_kernels_gpu test_group_fold_gpu test_queue_fold_gpu test_fused_wiring
+        test_step_group test_deferred_scores test_kv_write_gpu test_quantized_kernel
+        test_evict_batch test_ops_step"
+      files=$(for t in ${TESTS:-$all}; do printf 'tests/%s.py ' "$t"; done)
+      timeout 450 python3 -m pytest -q -p no:cacheprovider $files 2>&1 \
+        | tee "$OUT/pytest_gpu.log" | tail -6 ;;
     realmodel)  # the decode benchmark on the carried real model (after "model")
       for cb in 256:256 4096:256 4096:1024 16384:1024; do
         python3 scripts/gpu_split.py --model /root/model --no-trace --pin 5 --rounds 6 \

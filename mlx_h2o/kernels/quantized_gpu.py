@@ -419,22 +419,8 @@ def fused_quantized_attention(
     ]
     inputs += [] if mask_arr is None else [mask_arr]
     inputs += [sinks] if sinks is not None and S == 1 else []
-    scale_bits = struct.unpack("<i", struct.pack("<f", scale))[0]
-    template = [
-        ("T", queries.dtype),
-        ("D", D),
-        ("GS", group_size),
-        ("G", Hq // Hk),
-        ("B0", bits[0]),
-        ("B1", bits[-1]),
-        ("MH", mh),
-        ("SCALE_BITS", scale_bits),
-    ]
-    launch = {
-        "grid": (rows * NT, S, 1),
-        "threadgroup": (NT, 1, 1),
-        "template": template,
-    }
+    template = _template(queries.dtype, D, group_size, Hq // Hk, bits, mh, scale)
+    launch = {"grid": (rows * NT, S, 1), "threadgroup": (NT, 1, 1), "template": template}
     if S == 1:
         return kernel(
             inputs=inputs,
@@ -448,13 +434,26 @@ def fused_quantized_attention(
         output_shapes=[(B, Hq, L, N), (rows, S, D), (rows, S)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
+    out, lse = _merge_splits(queries, part_o, part_lse, sinks)
+    return out, logits, lse
+
+
+def _template(dtype, D, group_size, G, bits, mh, scale):
+    """The pass-1 kernel's template: the scale travels as its float32 bits."""
+    scale_bits = struct.unpack("<i", struct.pack("<f", scale))[0]
+    return [("T", dtype), ("D", D), ("GS", group_size), ("G", G), ("B0", bits[0]),
+            ("B1", bits[-1]), ("MH", mh), ("SCALE_BITS", scale_bits)]
+
+
+def _merge_splits(queries, part_o, part_lse, sinks):
+    """(out, lse) from the key splits' partial outputs and log-sum-exps."""
+    B, Hq, L, D = queries.shape
     merge = _make_merge_kernel(sinks is not None)
-    out, lse = merge(
+    return merge(
         inputs=[queries, part_o, part_lse] + ([sinks] if sinks is not None else []),
         template=[("T", queries.dtype), ("D", D)],
-        grid=(rows * NT, 1, 1),
+        grid=(B * Hq * L * NT, 1, 1),
         threadgroup=(NT, 1, 1),
         output_shapes=[(B, Hq, L, D), (B, Hq, L)],
         output_dtypes=[queries.dtype, mx.float32],
     )
-    return out, logits, lse
