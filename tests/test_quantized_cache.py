@@ -128,9 +128,13 @@ def test_same_scores_same_evictions(cfg):
         QuantizedH2OKVCache(cfg, quant=QuantConfig(4, GS)),
         MixedPrecisionH2OKVCache(cfg, quant=QuantConfig(8, GS, 4)),
     ]
-    # Its decode steps must use the scripted attention: no deferral, no compiled step.
-    caches[0].defer_scores = caches[0].compile_ops_step = False
+    # Its decode steps must use the scripted attention: no deferral, no compiled
+    # CPU step, no fused GPU step (each attends by itself, not through kv.attention).
+    caches[0].defer_scores = caches[0].compile_ops_step = caches[0].use_fused_step = False
     for c in caches:
+        # The scripted logits read positions; after a GPU fold the victim slot's
+        # position is written after the attention (kernel), so it would be stale.
+        c.fold_on_gpu = False
         scripted_attention(c, table)
     for L in STREAM:
         _, k, v = qkv(rng, L)
