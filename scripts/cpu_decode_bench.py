@@ -1,6 +1,7 @@
 """Decode tok/s on CPU: KVCache vs H2O without eviction vs H2O evicting every step.
 
-(``h2o_evict_ops``: the evicting step op by op, as before the compiled step.)
+(``h2o_evict_ops``: the evicting step op by op, as before the compiled step;
+``h2o_q8_evict``: 8-bit K/V, ``_ops`` op by op.)
 
 SmolLM2-135M shapes (llama: 30 layers, 9/3 heads, head_dim 64), float32 random
 weights (speed does not depend on weight values) or --model for real weights.
@@ -18,6 +19,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 import mlx_h2o
 from mlx_h2o import H2OConfig, make_h2o_cache
+from mlx_h2o.cache import QuantConfig, quantized_cache_type
 
 SMOLLM2 = dict(
     model_type="llama", hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
@@ -36,7 +38,15 @@ def strategies(model, context, budget):
         # the evicting step op by op instead of one compiled call (cache/ops_step.py)
         "h2o_evict_ops": lambda: uncompiled(
             make_h2o_cache(model, H2OConfig(max_size=budget, heavy_budget=budget // 2))),
+        # 8-bit K/V (QuantizedH2OKVCache), evicting every step; compiled and op by op
+        "h2o_q8_evict": lambda: q8(model, budget),
+        "h2o_q8_evict_ops": lambda: uncompiled(q8(model, budget)),
     }
+
+
+def q8(model, budget):
+    return make_h2o_cache(model, H2OConfig(max_size=budget, heavy_budget=budget // 2),
+                          cache_type=quantized_cache_type(QuantConfig(8, 64)))
 
 
 def uncompiled(cache):
@@ -87,7 +97,7 @@ def main():
             print(f"trial={r} strategy={name} decode_tok_s={tps:.2f}")
     med = {k: statistics.median(v) for k, v in runs.items()}
     for k, v in med.items():
-        print(f"{k:>14}: {v:7.2f} tok/s  ratio vs kvcache {v / med['kvcache']:.3f}")
+        print(f"{k:>16}: {v:7.2f} tok/s  ratio vs kvcache {v / med['kvcache']:.3f}")
     print(json.dumps({"median_tok_s": med, "ratio": {k: v / med["kvcache"] for k, v in med.items()}}))
 
 

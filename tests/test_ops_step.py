@@ -11,22 +11,22 @@ import numpy as np
 import pytest
 
 from mlx_h2o import H2OConfig, H2OKVCache
-from mlx_h2o.cache import ops_step
+from mlx_h2o.cache import QuantConfig, QuantizedH2OKVCache, ops_step
 
 D, HQ, HK = 16, 6, 2
 STREAM = [7] + [1] * 40 + [9] + [1] * 30
 
 
-def pair(cfg, window=None):
-    compiled, plain = H2OKVCache(cfg, window), H2OKVCache(cfg, window)
+def pair(cfg, window=None, make=H2OKVCache):
+    compiled, plain = make(cfg, window), make(cfg, window)
     plain.compile_ops_step = False
     for c in (compiled, plain):
         c.defer_scores = False  # decode steps below the budget take the same path
     return compiled, plain
 
 
-def step(cache, L, rng, B=2):
-    q, k, v = (mx.array(rng.standard_normal((B, h, L, D)).astype(np.float32))
+def step(cache, L, rng, B=2, dim=D):
+    q, k, v = (mx.array(rng.standard_normal((B, h, L, dim)).astype(np.float32))
                for h in (HQ, HK, HK))
     keys, values = cache.update_and_fetch(k, v)
     return cache.h2o_attention(q, keys, values, scale=D ** -0.5, mask=cache.make_mask(L))
@@ -37,7 +37,8 @@ def assert_same(a, b):
     np.testing.assert_array_equal(np.array(a.positions), np.array(b.positions))
     np.testing.assert_allclose(np.array(a.score), np.array(b.score), rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(np.array(a.count), np.array(b.count))
-    np.testing.assert_array_equal(np.array(a.kv.keys), np.array(b.kv.keys))
+    for x, y in zip(a.kv.state(a.size()), b.kv.state(b.size())):  # K/V (triples)
+        np.testing.assert_array_equal(np.array(x), np.array(y))
 
 
 @pytest.mark.parametrize("mode", ["ema", "attention_ema", "accumulated", "normalized"])
@@ -53,6 +54,28 @@ def test_compiled_step_equals_op_by_op(mode, window):
         assert caches[1]._victim is None
         assert_same(*caches)
     assert taken >= 50 and caches[0].evicted > 50  # most decode steps evicted
+
+
+@pytest.mark.parametrize("mode", ["ema", "accumulated", "normalized"])
+@pytest.mark.parametrize("window", [None, 17])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_compiled_quantized_step_equals_op_by_op(mode, window, bits):
+    """QuantizedH2OKVCache's steps compile too: the attention reads the
+    triples through mx.quantized_matmul, the victim is written by scatters."""
+    cfg = H2OConfig(max_size=24, sink_size=2, heavy_budget=9, score=mode, pinned=((5, 7),))
+
+    def make(config, window_size):
+        return QuantizedH2OKVCache(config, window_size, quant=QuantConfig(bits, 32))
+
+    caches, rngs = pair(cfg, window, make), [np.random.default_rng(4), np.random.default_rng(4)]
+    taken = 0
+    for L in STREAM:
+        outs = [step(c, L, r, dim=64) for c, r in zip(caches, rngs)]
+        np.testing.assert_allclose(np.array(outs[0]), np.array(outs[1]), rtol=1e-5, atol=1e-6)
+        taken += caches[0]._victim is not None  # set by the compiled step only
+        assert_same(*caches)
+    assert taken >= 50 and caches[0].evicted > 50
+    assert caches[0]._victim.shape == (2, HK, 1, 1)  # what the triples' scatters take
 
 
 def test_compiled_step_through_trim_and_state():

@@ -128,13 +128,13 @@ def test_same_scores_same_evictions(cfg):
         QuantizedH2OKVCache(cfg, quant=QuantConfig(4, GS)),
         MixedPrecisionH2OKVCache(cfg, quant=QuantConfig(8, GS, 4)),
     ]
-    # Its decode steps must use the scripted attention: no deferral, no compiled
-    # CPU step, no fused GPU step (each attends by itself, not through kv.attention).
-    caches[0].defer_scores = caches[0].compile_ops_step = caches[0].use_fused_step = False
+    caches[0].defer_scores = False  # the quantized caches do not defer either
     for c in caches:
-        # The scripted logits read positions; after a GPU fold the victim slot's
-        # position is written after the attention (kernel), so it would be stale.
-        c.fold_on_gpu = False
+        # Decode steps must use the scripted attention: no compiled CPU step, no
+        # fused GPU step (each attends by itself, not through kv.attention). The
+        # scripted logits read positions, and after a GPU fold the victim slot's
+        # position is written after the attention (by the kernel): no GPU fold.
+        c.compile_ops_step = c.use_fused_step = c.fold_on_gpu = False
         scripted_attention(c, table)
     for L in STREAM:
         _, k, v = qkv(rng, L)

@@ -16,6 +16,7 @@ import mlx.core as mx
 from .. import policy
 from ..config import H2OConfig
 from ..kernels import reference
+from ..kernels.quantized_reference import quantized_matmul_attention_with_scores
 
 
 def slot_priority(config: H2OConfig, positions, score, count, offset, window_size=None,
@@ -38,21 +39,22 @@ def in_window(positions, offset, window_size: int):
 
 
 def evict_step(config: H2OConfig, scale: float, queries, keys, values, positions, score,
-               count, slot, offset, zones=None, window_size=None):
+               count, slot, offset, zones=None, window_size=None,
+               attend=reference.scaled_dot_product_attention_with_scores):
     """One decode query whose token went into ``slot``: the slot gets position
     ``offset - 1`` and fresh scores, the query attends all N slots of
     ``keys`` / ``values`` (a sliding-window layer: those whose positions it
     still sees), its attention is folded in, and the next victim is ranked
     at ``offset + 1``.
 
-    Shapes: queries (B, Hq, 1, D); keys, values (B, Hk, N, D); positions,
-    score, count (B, Hk, N); slot (B, Hk, 1) or a victim (B, Hk, 1, ·);
-    ``offset`` and ``zones`` as in slot_priority.
+    Shapes: queries (B, Hq, 1, D); keys, values (B, Hk, N, D), or what
+    ``attend`` reads (see ``attention_for``); positions, score, count
+    (B, Hk, N); slot (B, Hk, 1) or a victim (B, Hk, 1, ·); ``offset`` and
+    ``zones`` as in slot_priority.
     Returns (out, positions, score, count, victim (B, Hk, 1, 1) int32)."""
     p, s, c = _fresh_slot(positions, score, count, slot, offset - 1)
     seen = None if window_size is None else in_window(p, offset, window_size)[:, :, None]
-    out, logits, lse = reference.scaled_dot_product_attention_with_scores(
-        queries, keys, values, scale=scale, mask=seen)
+    out, logits, lse = attend(queries, keys, values, scale=scale, mask=seen)
     s, c = policy.fold_scores(config.score, s, c, logits, lse, config.ema_alpha)
     pri = slot_priority(config, p, s, c, offset + 1, window_size, zones)
     victim = policy.select_victim(pri, p).astype(mx.int32)[..., None, None]
@@ -69,28 +71,44 @@ def _fresh_slot(positions, score, count, slot, position):
             mx.where(hit, 0.0, count))
 
 
+def attention_for(kind) -> Callable:
+    """The attention with scores a compiled step runs over a storage's K/V
+    (its ``group_kind``): dense arrays, or ("quantized", bits, group_size)
+    triples read by ``mx.quantized_matmul`` (never dequantized whole)."""
+    if kind[0] == "quantized":
+        return partial(quantized_matmul_attention_with_scores, bits=kind[1],
+                       group_size=kind[2])
+    return reference.scaled_dot_product_attention_with_scores
+
+
 @lru_cache(maxsize=64)
-def compiled_step(config: H2OConfig, scale: float, window_size=None) -> Callable:
+def compiled_step(config: H2OConfig, scale: float, window_size=None,
+                  kind=("dense",)) -> Callable:
     """``evict_step`` for one cache's settings through mx.compile:
     (queries, keys, values, positions, score, count, slot, offset, sink,
-    recent) -> (out, positions, score, count, victim (B, Hk, 1, D)), the
-    victim repeated along D so that the next token's K/V writes take it as
-    is. ``offset``, ``sink`` and ``recent`` are int32 scalar arrays: as
-    Python ints they would be traced as constants, so every token (offset)
-    and every layer size of a layer profile (zones) would get its own
-    compiled code (on the CPU, its own C++ build, ~0.5 s each)."""
+    recent) -> (out, positions, score, count, victim), the victim as the
+    next token's K/V writes take it: repeated along D for dense K/V,
+    (B, Hk, 1, 1) for quantized triples (``kind``: the storage's
+    ``group_kind``). ``offset``, ``sink`` and ``recent`` are int32 scalar
+    arrays: as Python ints they would be traced as constants, so every
+    token (offset) and every layer size of a layer profile (zones) would
+    get its own compiled code (on the CPU, its own C++ build, ~0.5 s each)."""
+    attend = attention_for(kind)
 
     def step(queries, keys, values, positions, score, count, slot, offset, sink, recent):
         out, p, s, c, victim = evict_step(config, scale, queries, keys, values, positions,
                                           score, count, slot, offset, (sink, recent),
-                                          window_size)
-        return out, p, s, c, mx.broadcast_to(victim, (*victim.shape[:3], keys.shape[3]))
+                                          window_size, attend)
+        if kind[0] == "dense":
+            victim = mx.broadcast_to(victim, (*victim.shape[:3], keys.shape[3]))
+        return out, p, s, c, victim
 
     return mx.compile(step)
 
 
 def fill_step(config: H2OConfig, scale: float, queries, keys, values, positions, score,
-              count, n, offset, window_size=None):
+              count, n, offset, window_size=None,
+              attend=reference.scaled_dot_product_attention_with_scores):
     """A decode query that appended its token (slot n - 1, metadata written)
     and folds its scores now (sliding-window layers, EMA modes: no deferral):
     attention over the first ``n`` slots of whole buffers (B, Hk, C, ·) with
@@ -100,18 +118,19 @@ def fill_step(config: H2OConfig, scale: float, queries, keys, values, positions,
     seen = mx.arange(positions.shape[-1]) < n  # (C,)
     if window_size is not None:
         seen = (seen & in_window(positions, offset, window_size))[:, :, None]  # (B, Hk, 1, C)
-    out, logits, lse = reference.scaled_dot_product_attention_with_scores(
-        queries, keys, values, scale=scale, mask=seen)
+    out, logits, lse = attend(queries, keys, values, scale=scale, mask=seen)
     score, count = policy.fold_scores(config.score, score, count, logits, lse,
                                       config.ema_alpha)
     return out, score, count
 
 
 @lru_cache(maxsize=64)
-def compiled_fill(config: H2OConfig, scale: float, window_size=None) -> Callable:
+def compiled_fill(config: H2OConfig, scale: float, window_size=None,
+                  kind=("dense",)) -> Callable:
     """``fill_step`` for one cache's settings through mx.compile:
     (queries, keys, values, positions, score, count, n, offset) -> (out, score, count)."""
-    return mx.compile(partial(fill_step, config, scale, window_size=window_size))
+    return mx.compile(partial(fill_step, config, scale, window_size=window_size,
+                              attend=attention_for(kind)))
 
 
 @lru_cache(maxsize=256)

@@ -10,6 +10,7 @@ import mlx.core as mx
 
 from ..kernels import H2OFold, gpu_backend, h2o_fold_step, h2o_step_supported, make_plan
 from .ops_step import compiled_fill, compiled_step, zone_arrays
+from .quantized_storage import QuantizedKV
 from .storage import DenseKV
 
 
@@ -125,10 +126,12 @@ class DecodeSteps:
     # --- compiled CPU steps (cache/ops_step.py) ---------------------------------
     def _compiles_here(self, queries, mask, sinks) -> bool:
         """One query, no mask but the layer's own window, on the CPU, over
-        dense buffers whose metadata is as long as they are."""
+        dense or uniformly quantized buffers whose metadata is as long as they
+        are. Exact storage types: a subclass may attend its own way."""
         return (self.compile_ops_step and queries.shape[2] == 1 and mask is None
                 and sinks is None and mx.default_device() == mx.cpu
-                and type(self.kv) is DenseKV and self.kv.capacity == self._positions.shape[2])
+                and type(self.kv) in (DenseKV, QuantizedKV)
+                and self.kv.capacity == self._positions.shape[2])
 
     def _steps_compiled(self, queries, mask, sinks) -> bool:
         """An evicting decode step of a full cache (this token went into a victim slot)."""
@@ -138,8 +141,10 @@ class DecodeSteps:
     def _compiled_step(self, queries, keys, values, scale):
         """The step in one compiled call; it picks the next token's victim, which
         update_and_fetch then writes into (as after a fused GPU step)."""
-        cfg = self.config
-        step = compiled_step(cfg, float(scale), self.window_size)
+        cfg, kind = self.config, self.kv.group_kind
+        if kind[0] == "quantized":
+            keys, values = self.kv._as_triples(keys, values)
+        step = compiled_step(cfg, float(scale), self.window_size, kind)
         out, *state = step(
             queries, keys, values, self._positions, self._score, self._count, self._slot,
             mx.array(self.offset, mx.int32), *zone_arrays(cfg.sink_size, cfg.recent_budget))
@@ -153,7 +158,7 @@ class DecodeSteps:
                 and self._n <= self.max_size and self._compiles_here(queries, mask, sinks))
 
     def _compiled_fill(self, queries, scale):
-        fill = compiled_fill(self.config, float(scale), self.window_size)
+        fill = compiled_fill(self.config, float(scale), self.window_size, self.kv.group_kind)
         out, self._score, self._count = fill(
             queries, self.kv.keys, self.kv.values, self._positions, self._score,
             self._count, mx.array(self._n, mx.int32), mx.array(self.offset, mx.int32))
