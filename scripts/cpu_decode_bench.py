@@ -1,7 +1,8 @@
 """Decode tok/s on CPU: KVCache vs H2O without eviction vs H2O evicting every step.
 
 (``h2o_evict_ops``: the evicting step op by op, as before the compiled step;
-``h2o_q8_evict``: 8-bit K/V, ``_ops`` op by op.)
+``h2o_q8_evict``: 8-bit K/V, ``_ops`` op by op; ``h2o_mixed_evict``: 8-bit heavy
+hitters, 4-bit recent window.)
 
 SmolLM2-135M shapes (llama: 30 layers, 9/3 heads, head_dim 64), float32 random
 weights (speed does not depend on weight values) or --model for real weights.
@@ -41,12 +42,14 @@ def strategies(model, context, budget):
         # 8-bit K/V (QuantizedH2OKVCache), evicting every step; compiled and op by op
         "h2o_q8_evict": lambda: q8(model, budget),
         "h2o_q8_evict_ops": lambda: uncompiled(q8(model, budget)),
+        # heavy hitters at 8 bits, the recent window at 4 (MixedPrecisionH2OKVCache)
+        "h2o_mixed_evict": lambda: q8(model, budget, recent_bits=4),
     }
 
 
-def q8(model, budget):
+def q8(model, budget, recent_bits=None):
     return make_h2o_cache(model, H2OConfig(max_size=budget, heavy_budget=budget // 2),
-                          cache_type=quantized_cache_type(QuantConfig(8, 64)))
+                          cache_type=quantized_cache_type(QuantConfig(8, 64, recent_bits)))
 
 
 def uncompiled(cache):

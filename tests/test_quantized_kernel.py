@@ -157,6 +157,19 @@ def test_fully_masked_rows_give_zero_and_minus_inf():
 
 
 @pytest.mark.parametrize("bits", [(8, 4), (4, 2), (8, 2)])
+@pytest.mark.parametrize("L", [1, 3])
+def test_quantized_matmul_over_segments(bits, L):
+    """The CPU path reads each precision segment with its own matmuls."""
+    rng = np.random.default_rng()
+    B, Hq, Hk, N = 2, 6, 2, 61
+    q, k, v, k64, v64 = make(B, Hq, Hk, L, N, 64, bits, 32, mx.float32, rng, segments=2)
+    m = rng.random((B, Hk, L, N)) > 0.3
+    res = quantized_matmul_attention_with_scores(
+        q, k, v, scale=0.11, bits=bits, group_size=32, mask=mx.array(m))
+    check(res, q, k64, v64, 0.11, mx.float32, np.repeat(m, Hq // Hk, axis=1))
+
+
+@pytest.mark.parametrize("bits", [(8, 4), (4, 2), (8, 2)])
 def test_segments_of_two_widths(bits):
     rng = np.random.default_rng()
     q, k, v, k64, v64 = make(1, 4, 2, 1, 97, 128, bits, 64, mx.float16, rng, segments=2)

@@ -2,8 +2,8 @@
 
 - GPU decode (L <= 8, CUDA or Metal): the fused kernel of
   ``quantized_gpu``, which reads the packed words and dequantizes in registers.
-- CPU, one segment: ``mx.quantized_matmul`` (never materialises the cache).
-- otherwise (prefill on GPU, mixed segments on CPU): the reference,
+- CPU: ``mx.quantized_matmul`` per precision segment (never materialises the cache).
+- otherwise (prefill and mixed segments on GPU): the reference,
   dequantize then the dense reference kernel.
 All paths return the reference's numbers (out, logits float32, lse float32).
 """
@@ -69,13 +69,13 @@ def quantized_attention(
                 "no fused quantized kernel for these inputs (needs a CUDA or Metal "
                 f"backend, L <= 8, head_dim 64/96/128/256; queries {queries.shape})"
             )
-    if len(keys) == 1 and not on_gpu:
+    if not on_gpu:
         return quantized_matmul_attention_with_scores(
             queries,
-            keys[0],
-            values[0],
+            keys,
+            values,
             scale=scale,
-            bits=kbits[0],
+            bits=kbits,
             group_size=group_size,
             mask=mask,
             sinks=sinks,

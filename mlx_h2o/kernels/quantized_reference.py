@@ -106,54 +106,58 @@ def quantized_scaled_dot_product_attention_with_scores(
 
 def quantized_matmul_attention_with_scores(
     queries: mx.array,
-    keys: Triple,
-    values: Triple,
+    keys: Triple | Sequence[Triple],
+    values: Triple | Sequence[Triple],
     *,
     scale: float,
-    bits: int = 8,
+    bits: int | Sequence[int] = 8,
     group_size: int = 64,
     mask: Mask = None,
     sinks: mx.array | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
-    """The reference's numbers via ``mx.quantized_matmul`` (one segment only).
+    """The reference's numbers via ``mx.quantized_matmul``, one or more
+    precision segments (a triple and int bits, or a sequence of each).
 
-    Never materialises the dequantized cache: the two matmuls read the packed
-    data. Computed in float32 (queries and scales are cast), so it agrees with
-    the reference to float32 rounding. Shapes as for the reference.
+    Never materialises the dequantized cache: the matmuls read the packed
+    data, two per segment. Computed in float32 (queries and scales are cast),
+    so it agrees with the reference to float32 rounding. Shapes as for the
+    reference.
     """
+    keys, kbits = as_segments(keys, bits)
+    values, _ = as_segments(values, bits)
     B, Hq, L, D = queries.shape
-    Hk, N = keys[0].shape[1], keys[0].shape[2]
+    Hk = keys[0][0].shape[1]
     if Hq % Hk:
         raise ValueError(f"n_heads={Hq} is not a multiple of n_kv_heads={Hk}")
     G = Hq // Hk
     q = queries.astype(mx.float32).reshape(B, Hk, G * L, D)  # (B, Hk, G*L, D)
-    kw, ks, kb = keys
-    logits = mx.quantized_matmul(
-        q,
-        kw,
-        ks.astype(mx.float32),
-        kb.astype(mx.float32),
-        transpose=True,
-        group_size=group_size,
-        bits=bits,
-    )
+    segs = [(k, v, b) for k, v, b in zip(keys, values, kbits) if k[0].shape[2] > 0]
+    parts = [_qmm(q, k, b, group_size, transpose=True) for k, _, b in segs]
+    N = sum(p.shape[-1] for p in parts)
+    if not parts:  # no slots: logits (…, 0), lse -inf, out 0 (as the reference)
+        parts = [mx.zeros((B, Hk, G * L, 0), mx.float32)]
+    logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
     logits = logits.reshape(B, Hk, G, L, N) * scale
     logits, probs, lse = masked_softmax(
         logits, grouped_mask(mask, B, Hq, Hk, L, N), sinks
     )
     probs = probs.reshape(B, Hk, G * L, N)
-    vw, vs, vb = values
-    out = mx.quantized_matmul(
-        probs,
-        vw,
-        vs.astype(mx.float32),
-        vb.astype(mx.float32),
-        transpose=False,
-        group_size=group_size,
-        bits=bits,
-    )
+    out, start = None, 0
+    for k, v, b in segs:  # each segment's share of the output
+        n = k[0].shape[2]
+        part = _qmm(probs[..., start : start + n], v, b, group_size, transpose=False)
+        out, start = part if out is None else out + part, start + n
+    if out is None:
+        out = mx.zeros((B, Hk, G * L, values[0][1].shape[-1] * group_size), mx.float32)
     return (
         out.astype(queries.dtype).reshape(B, Hq, L, -1),
         logits.reshape(B, Hq, L, N),
         lse.reshape(B, Hq, L),
     )
+
+
+def _qmm(x: mx.array, t: Triple, bits: int, group_size: int, transpose: bool) -> mx.array:
+    """``x`` times a triple's values (transposed for K) in float32."""
+    w, s, b = t
+    return mx.quantized_matmul(x, w, s.astype(mx.float32), b.astype(mx.float32),
+                               transpose=transpose, group_size=group_size, bits=bits)
