@@ -11,6 +11,7 @@ cache's; only the storage differs.
 import functools
 import json
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 import mlx.core as mx
 
@@ -54,6 +55,23 @@ class QuantConfig:
     @property
     def mixed(self) -> bool:
         return self.recent_bits is not None
+
+    @classmethod
+    def from_flags(
+        cls, kv_bits: int | None, group_size: int = 64, mixed: bool = False
+    ) -> Optional["QuantConfig"]:
+        """The CLI mapping: ``--h2o-kv-bits``, ``--h2o-kv-group-size``,
+        ``--h2o-kv-mixed``. None (dense cache) when neither bits nor mixed."""
+        if mixed:
+            if kv_bits not in (None, 8):
+                raise ValueError(
+                    "--h2o-kv-mixed keeps heavy hitters at 8 bits and the recent "
+                    f"window at 4 bits; leave --h2o-kv-bits unset or 8 (got {kv_bits})"
+                )
+            return cls(bits=8, group_size=group_size, recent_bits=4)
+        if kv_bits is None:
+            return None
+        return cls(bits=kv_bits, group_size=group_size)
 
 
 @register_cache_class
