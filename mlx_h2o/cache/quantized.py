@@ -60,13 +60,14 @@ class QuantConfig:
     def from_flags(
         cls, kv_bits: int | None, group_size: int = 64, mixed: bool = False
     ) -> Optional["QuantConfig"]:
-        """The CLI mapping: ``--h2o-kv-bits``, ``--h2o-kv-group-size``,
-        ``--h2o-kv-mixed``. None (dense cache) when neither bits nor mixed."""
+        """The eval strategies' mapping (``kv_bits``, ``kv_group_size``,
+        ``kv_mixed``; mlx_h2o/eval/strategies.py). None (dense cache) when
+        neither bits nor mixed. The CLI's flags: cli/generate.py."""
         if mixed:
             if kv_bits not in (None, 8):
                 raise ValueError(
-                    "--h2o-kv-mixed keeps heavy hitters at 8 bits and the recent "
-                    f"window at 4 bits; leave --h2o-kv-bits unset or 8 (got {kv_bits})"
+                    "kv_mixed keeps heavy hitters at 8 bits and the recent "
+                    f"window at 4 bits; leave kv_bits unset or 8 (got {kv_bits})"
                 )
             return cls(bits=8, group_size=group_size, recent_bits=4)
         if kv_bits is None:
