@@ -1,7 +1,7 @@
 #!/bin/sh
 # One device call: install MLX CUDA (if given), then check and time the kernels.
 #
-#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|tune|pytest|tests|qfold|qtile|model|realmodel|ptx]...
+#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|tune|pytest|tests|sweep|qfold|qtile|model|realmodel|ptx]...
 #
 # "install" expects .gpu/part1 already copied to /root/mlxw (previous call) and
 # .gpu/part2 and .gpu/lib (mlx_lm) carried now; "ensure" reuses a warm install.
@@ -34,8 +34,14 @@ for step in "$@"; do
         test_step_group test_deferred_scores test_kv_write_gpu test_quantized_kernel
         test_evict_batch test_ops_step"
       files=$(for t in ${TESTS:-$all}; do printf 'tests/%s.py ' "$t"; done)
-      timeout 450 python3 -m pytest -q -p no:cacheprovider $files 2>&1 \
-        | tee "$OUT/pytest_gpu.log" | tail -6 ;;
+      # SIGINT at the limit: pytest still prints which tests failed and why
+      timeout -s INT 450 python3 -m pytest -q -rf --tb=short -p no:cacheprovider $files \
+        2>&1 | tee "$OUT/pytest_gpu.log" | tail -30 ;;
+    sweep)  # the test files that never ran on a GPU (docs/GPU.md, session 14)
+      files=$(ls tests/test_*.py | grep -v -e _gpu.py -e fused_wiring -e step_group \
+        -e deferred_scores -e quantized_kernel -e evict_batch -e ops_step -e swift)
+      timeout -s INT 540 python3 -m pytest -q -rf --tb=short -p no:cacheprovider $files \
+        2>&1 | tee "$OUT/pytest_sweep.log" | tail -40 ;;
     realmodel)  # the decode benchmark on the carried real model (after "model")
       for cb in 256:256 4096:256 4096:1024 16384:1024; do
         python3 scripts/gpu_split.py --model /root/model --no-trace --pin 5 --rounds 6 \
