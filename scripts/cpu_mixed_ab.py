@@ -1,6 +1,8 @@
-"""Mixed-precision H2O decode on the CPU: each precision segment read by its own
-mx.quantized_matmul (after, session 14) vs the dequantizing reference that two
-segments took before, interleaved in one process.
+"""Mixed-precision H2O decode on the CPU, three ways interleaved in one process:
+the op path with the dequantizing reference two segments took before session 14
+(``mixed_dequant``), the op path with each segment read by its own
+mx.quantized_matmul (``mixed_segments``), and a full cache's attention + fold
+as one compiled call (``mixed_compiled``, the default).
 
     python scripts/cpu_mixed_ab.py [--repeats 3] [--steps 48]
 
@@ -43,12 +45,15 @@ def main():
     args = p.parse_args()
     model = load_model("smollm2-135m")[0]
     made = bench.strategies(model, 512, 256)
-    runs = {"kvcache": [], "mixed_before": [], "mixed_after": []}
+    mixed, op_path = made["h2o_mixed_evict"], lambda: bench.uncompiled(mixed())
+    ways = (("mixed_dequant", before, op_path), ("mixed_segments", AFTER, op_path),
+            ("mixed_compiled", AFTER, mixed))
+    runs = {"kvcache": [], **{name: [] for name, _, _ in ways}}
     for r in range(args.repeats):
         runs["kvcache"].append(bench.decode_tps(model, made["kvcache"], 512, args.steps))
-        for name, fn in (("mixed_before", before), ("mixed_after", AFTER)):
+        for name, fn, make in ways:
             quantized.quantized_matmul_attention_with_scores = fn
-            runs[name].append(bench.decode_tps(model, made["h2o_mixed_evict"], 512, args.steps))
+            runs[name].append(bench.decode_tps(model, make, 512, args.steps))
         quantized.quantized_matmul_attention_with_scores = AFTER
         print(r, {k: round(v[-1], 2) for k, v in runs.items()}, flush=True)
     med = {k: statistics.median(v) for k, v in runs.items()}

@@ -161,6 +161,25 @@ class MixedPrecisionH2OKVCache(QuantizedH2OKVCache):
             q.bits, q.recent_bits, q.group_size, cfg.max_size - cfg.recent_budget
         )
 
+    # --- compiled CPU steps: only the fold of a full cache -----------------------
+    def _compiled_kind(self):
+        if type(self.kv) is not MixedKV:
+            return None
+        bits = tuple(zone.bits for zone, _ in self.kv._zones(self._n))
+        return ("quantized", bits, self.kv.hi.group_size)
+
+    def _steps_compiled(self, queries, mask, sinks) -> bool:
+        return False  # an eviction moves a token between zones: op by op
+
+    def _fills_compiled(self, queries, mask, sinks) -> bool:
+        """A full cache's step, after update_and_fetch evicted and wrote the
+        token and its metadata: attention and fold in one compiled call."""
+        return (not self._meta_pending and self._n == self.kv.capacity
+                and self._compiles_here(queries, mask, sinks))
+
+    def _fill_inputs(self):
+        return self.kv.fetch(self._n)  # both zones' triples (n == capacity)
+
     def _write_into_victim(self, keys, values):
         pri, pos = self._priority(self.offset + 1)
         victim = policy.select_victim(pri, pos)[..., None]  # (B, Hk, 1)

@@ -130,8 +130,13 @@ class DecodeSteps:
         are. Exact storage types: a subclass may attend its own way."""
         return (self.compile_ops_step and queries.shape[2] == 1 and mask is None
                 and sinks is None and mx.default_device() == mx.cpu
-                and type(self.kv) in (DenseKV, QuantizedKV)
+                and self._compiled_kind() is not None
                 and self.kv.capacity == self._positions.shape[2])
+
+    def _compiled_kind(self):
+        """What the compiled steps attend (ops_step.attention_for): the
+        storage's group kind, for the exact dense and quantized storages."""
+        return self.kv.group_kind if type(self.kv) in (DenseKV, QuantizedKV) else None
 
     def _steps_compiled(self, queries, mask, sinks) -> bool:
         """An evicting decode step of a full cache (this token went into a victim slot)."""
@@ -141,7 +146,7 @@ class DecodeSteps:
     def _compiled_step(self, queries, keys, values, scale):
         """The step in one compiled call; it picks the next token's victim, which
         update_and_fetch then writes into (as after a fused GPU step)."""
-        cfg, kind = self.config, self.kv.group_kind
+        cfg, kind = self.config, self._compiled_kind()
         if kind[0] == "quantized":
             keys, values = self.kv._as_triples(keys, values)
         step = compiled_step(cfg, float(scale), self.window_size, kind)
@@ -158,9 +163,14 @@ class DecodeSteps:
                 and self._n <= self.max_size and self._compiles_here(queries, mask, sinks))
 
     def _compiled_fill(self, queries, scale):
-        fill = compiled_fill(self.config, float(scale), self.window_size, self.kv.group_kind)
+        fill = compiled_fill(self.config, float(scale), self.window_size, self._compiled_kind())
+        keys, values = self._fill_inputs()
         out, self._score, self._count = fill(
-            queries, self.kv.keys, self.kv.values, self._positions, self._score,
-            self._count, mx.array(self._n, mx.int32), mx.array(self.offset, mx.int32))
+            queries, keys, values, self._positions, self._score, self._count,
+            mx.array(self._n, mx.int32), mx.array(self.offset, mx.int32))
         self._pending = False
         return self._with_metadata(out)
+
+    def _fill_inputs(self):
+        """K / V as the compiled fill step reads them: the whole buffers."""
+        return self.kv.keys, self.kv.values
