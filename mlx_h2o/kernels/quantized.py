@@ -2,8 +2,9 @@
 
 - GPU decode (L <= 8, CUDA or Metal): the fused kernel of
   ``quantized_gpu``, which reads the packed words and dequantizes in registers.
-- CPU: ``mx.quantized_matmul`` per precision segment (never materialises the cache).
-- otherwise (prefill and mixed segments on GPU): the reference,
+- CPU decode (L = 1): ``mx.quantized_matmul`` per precision segment (never
+  materialises the cache).
+- otherwise (prefill, and mixed segments on GPU): the reference,
   dequantize then the dense reference kernel.
 All paths return the reference's numbers (out, logits float32, lse float32).
 """
@@ -69,7 +70,9 @@ def quantized_attention(
                 "no fused quantized kernel for these inputs (needs a CUDA or Metal "
                 f"backend, L <= 8, head_dim 64/96/128/256; queries {queries.shape})"
             )
-    if not on_gpu:
+    if not on_gpu and queries.shape[2] == 1:
+        # MLX's CPU quantized_matmul runs row by row: past decode's few rows,
+        # dequantizing and one BLAS GEMM was 2-7x faster (docs/QUANTIZED.md).
         return quantized_matmul_attention_with_scores(
             queries,
             keys,
