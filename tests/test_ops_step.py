@@ -17,6 +17,7 @@ from mlx_h2o.cache import (
     QuantizedH2OKVCache,
     ops_step,
 )
+from mlx_h2o.cache import quantized as quantized_module
 
 D, HQ, HK = 16, 6, 2
 STREAM = [7] + [1] * 40 + [9] + [1] * 30
@@ -85,23 +86,30 @@ def test_compiled_quantized_step_equals_op_by_op(mode, window, bits):
 
 @pytest.mark.parametrize("mode", ["ema", "accumulated", "normalized"])
 @pytest.mark.parametrize("window", [None, 17])
-def test_compiled_mixed_fold_equals_op_by_op(mode, window):
-    """A full mixed-precision cache evicts op by op (tokens move between
-    zones), then attends both zones and folds in one compiled call."""
+def test_compiled_mixed_steps_equal_op_by_op(monkeypatch, mode, window):
+    """A full mixed-precision cache's eviction (a token moves between zones)
+    and its attention + fold each run as one compiled call."""
     cfg = H2OConfig(max_size=24, sink_size=2, heavy_budget=9, score=mode, pinned=((5, 7),))
 
     def make(config, window_size):
         return MixedPrecisionH2OKVCache(config, window_size, quant=QuantConfig(8, 32, 4))
 
     caches, rngs = pair(cfg, window, make), [np.random.default_rng(6), np.random.default_rng(6)]
-    compiled = []
+    calls = {"fill": 0, "evict": 0}
     fill = caches[0]._compiled_fill
-    caches[0]._compiled_fill = lambda *a: compiled.append(1) or fill(*a)
+    caches[0]._compiled_fill = lambda *a: calls.update(fill=calls["fill"] + 1) or fill(*a)
+    evict = quantized_module.compiled_mixed_evict
+
+    def counting(*a):
+        calls["evict"] += 1
+        return evict(*a)
+
+    monkeypatch.setattr(quantized_module, "compiled_mixed_evict", counting)
     for L in STREAM:
         outs = [step(c, L, r, dim=64) for c, r in zip(caches, rngs)]
         np.testing.assert_allclose(np.array(outs[0]), np.array(outs[1]), rtol=1e-5, atol=1e-6)
         assert_same(*caches)
-    assert len(compiled) >= 50 and caches[0].evicted > 50
+    assert calls["fill"] >= 50 and calls["evict"] >= 50 and caches[0].evicted > 50
 
 
 def test_compiled_step_through_trim_and_state():

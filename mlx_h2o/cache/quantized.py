@@ -21,6 +21,7 @@ from ..kernels.quantized_reference import BITS, check_quantization
 from .h2o import H2OKVCache
 from .io import register_cache_class
 from .mixed_storage import MixedKV
+from .ops_step import slot_priority, zone_arrays
 from .quantized_storage import QuantizedKV
 from .storage import put_slot, take_slots
 
@@ -181,20 +182,69 @@ class MixedPrecisionH2OKVCache(QuantizedH2OKVCache):
         return self.kv.fetch(self._n)  # both zones' triples (n == capacity)
 
     def _write_into_victim(self, keys, values):
-        pri, pos = self._priority(self.offset + 1)
-        victim = policy.select_victim(pri, pos)[..., None]  # (B, Hk, 1)
-        target = self.kv.promote(victim, pos)
-        n = self._n
-        for name in ("positions", "score", "count"):
-            a = getattr(self, name)
-            a = put_slot(a, victim, take_slots(a, target, n))  # oldest recent -> victim
-            fresh = self.offset if name == "positions" else 0
-            setattr(
-                self, name, put_slot(a, target, mx.full(target.shape, fresh, a.dtype))
-            )
-        self.kv.write_slot(target, keys, values)
+        kv, cfg = self.kv, self.config
+        if self._evicts_compiled():
+            step = compiled_mixed_evict(cfg, self.window_size, kv.hi.bits, kv.lo.bits,
+                                        kv.hi.group_size, kv.split)
+            out = step(kv.hi.keys, kv.hi.values, kv.lo.keys, kv.lo.values, self._positions,
+                       self._score, self._count, keys, values,
+                       mx.array(self.offset, mx.int32),
+                       *zone_arrays(cfg.sink_size, cfg.recent_budget))
+            kv.hi.keys, kv.hi.values, kv.lo.keys, kv.lo.values = (
+                tuple(out[i : i + 3]) for i in (0, 3, 6, 9))
+            self._positions, self._score, self._count, target = out[12:]
+        else:
+            *meta, target = mixed_evict(cfg, self.window_size, kv, self.positions,
+                                        self.score, self.count, self._n, keys, values,
+                                        self.offset)
+            self.positions, self.score, self.count = meta
         self.evicted += 1
         return target
+
+    def _evicts_compiled(self) -> bool:
+        """On the CPU, a full cache's eviction runs as one compiled call."""
+        return (self.compile_ops_step and mx.default_device() == mx.cpu
+                and type(self.kv) is MixedKV
+                and self._n == self.kv.capacity == self._positions.shape[2])
+
+
+def mixed_evict(config, window_size, kv, positions, score, count, n, keys, values, offset,
+                zones=None):
+    """A full mixed-precision cache's eviction for the token at ``offset``:
+    the policy's victim; a high-zone victim's slot takes the oldest recent
+    token (widened, ``MixedKV.promote``); the new token goes into the freed
+    recent slot with fresh metadata. Writes ``kv``'s arrays; returns
+    (positions, score, count, target slot (B, Hk, 1)). ``offset`` and
+    ``zones`` may be int32 scalar arrays (``compiled_mixed_evict``)."""
+    pos = positions[..., :n]
+    pri = slot_priority(config, pos, score[..., :n], count[..., :n], offset + 1, window_size,
+                        zones)
+    victim = policy.select_victim(pri, pos)[..., None]  # (B, Hk, 1)
+    target = kv.promote(victim, pos)
+    meta = []
+    for a, fresh in ((positions, offset), (score, 0), (count, 0)):
+        a = put_slot(a, victim, take_slots(a, target, n))  # oldest recent -> victim
+        meta.append(put_slot(a, target, mx.full(target.shape, fresh, a.dtype)))
+    kv.write_slot(target, keys, values)
+    return (*meta, target)
+
+
+@functools.lru_cache(maxsize=64)
+def compiled_mixed_evict(config, window_size, hi_bits, lo_bits, group_size, split):
+    """``mixed_evict`` through mx.compile (on the CPU ~100 ops become a few
+    fused ones): (hi K, hi V, lo K, lo V triples, positions, score, count,
+    keys, values, offset, sink, recent) -> the 12 zone arrays, positions,
+    score, count, target."""
+
+    def step(hi_k, hi_v, lo_k, lo_v, positions, score, count, keys, values, offset, sink,
+             recent):
+        kv = MixedKV(hi_bits, lo_bits, group_size, split)
+        kv.hi.keys, kv.hi.values, kv.lo.keys, kv.lo.values = hi_k, hi_v, lo_k, lo_v
+        *meta, target = mixed_evict(config, window_size, kv, positions, score, count,
+                                    positions.shape[2], keys, values, offset, (sink, recent))
+        return (*kv.hi.keys, *kv.hi.values, *kv.lo.keys, *kv.lo.values, *meta, target)
+
+    return mx.compile(step)
 
 
 def quantized_cache_type(quant: QuantConfig | None):

@@ -22,7 +22,8 @@ def resize_slots(old, n: int, shape, dtype):
 def take_slots(a, slots, n: int):
     """Gather slots (B, Hk, k) along axis 2 of the first n slots of ``a``."""
     idx = slots if a.ndim == 3 else slots[..., None]
-    return mx.take_along_axis(a[:, :, :n], idx, axis=2)
+    a = a if n == a.shape[2] else a[:, :, :n]  # a full buffer: no slice node
+    return mx.take_along_axis(a, idx, axis=2)
 
 
 class WritePlans:
