@@ -48,27 +48,32 @@ class MixedKV:
         if cut < L:
             self.lo.write(start + cut - A, keys[..., cut:, :], values[..., cut:, :])
 
-    def write_slot(self, slot: mx.array, keys: mx.array, values: mx.array):
-        """Write a new token into low-zone slot (B, Hk, 1) (logical index)."""
-        self.lo.write_slot(slot - self.split, keys, values)
+    def write_slot(self, slot: mx.array, keys: mx.array, values: mx.array, split=None):
+        """Write a new token into low-zone slot (B, Hk, 1) (logical index).
+        ``split``: the zone boundary as an int32 array (see ``promote``)."""
+        self.lo.write_slot(slot - (self.split if split is None else split), keys, values)
 
-    def promote(self, victim: mx.array, positions: mx.array) -> mx.array:
+    def promote(self, victim: mx.array, positions: mx.array, split=None) -> mx.array:
         """Make room in the low zone for a new token; returns its slot.
 
         A victim in the low zone frees its own slot. A victim in the high zone
         takes the oldest low-zone token (widened), whose slot is returned.
         Shapes: victim (B, Hk, 1) logical slots; positions (B, Hk, n).
+        ``split``: the zone boundary as an int32 scalar array, for callers
+        under mx.compile (as a constant, every layer size of a layer profile
+        compiled its own CPU code: a 30-layer model's first run took 36 s).
         """
         A, victim = self.split, victim.astype(mx.int32)
+        S = A if split is None else split
         oldest = mx.argmin(positions[..., A:], axis=-1, keepdims=True).astype(mx.int32)
-        in_hi = victim < A  # (B, Hk, 1)
+        in_hi = victim < S  # (B, Hk, 1)
         keys, values = self.lo.take(oldest, self.lo.capacity)
         self.hi.put(
-            mx.where(in_hi, victim, A),
+            mx.where(in_hi, victim, S),
             convert(keys, self.lo.bits, self.hi.bits),
             convert(values, self.lo.bits, self.hi.bits),
         )
-        return mx.where(in_hi, oldest + A, victim)
+        return mx.where(in_hi, oldest + S, victim)
 
     def gather(self, slots: mx.array, n: int):
         A, k = self.split, slots.shape[-1]

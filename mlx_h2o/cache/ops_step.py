@@ -133,7 +133,12 @@ def compiled_fill(config: H2OConfig, scale: float, window_size=None,
                               attend=attention_for(kind)))
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=512)
+def int_array(value: int) -> mx.array:
+    """A compiled step's int32 scalar input for a per-layer constant (made once)."""
+    return mx.array(value, mx.int32)
+
+
 def zone_arrays(sink_size: int, recent_budget: int):
-    """compiled_step's (sink, recent) inputs for these sizes (made once)."""
-    return mx.array(sink_size, mx.int32), mx.array(recent_budget, mx.int32)
+    """compiled_step's (sink, recent) inputs for these sizes."""
+    return int_array(sink_size), int_array(recent_budget)

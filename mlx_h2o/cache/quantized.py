@@ -21,7 +21,7 @@ from ..kernels.quantized_reference import BITS, check_quantization
 from .h2o import H2OKVCache
 from .io import register_cache_class
 from .mixed_storage import MixedKV
-from .ops_step import slot_priority, zone_arrays
+from .ops_step import int_array, slot_priority, zone_arrays
 from .quantized_storage import QuantizedKV
 from .storage import put_slot, take_slots
 
@@ -189,7 +189,7 @@ class MixedPrecisionH2OKVCache(QuantizedH2OKVCache):
             out = step(kv.hi.keys, kv.hi.values, kv.lo.keys, kv.lo.values, self._positions,
                        self._score, self._count, keys, values,
                        mx.array(self.offset, mx.int32),
-                       *zone_arrays(cfg.sink_size, cfg.recent_budget))
+                       *zone_arrays(cfg.sink_size, cfg.recent_budget), int_array(kv.split))
             kv.hi.keys, kv.hi.values, kv.lo.keys, kv.lo.values = (
                 tuple(out[i : i + 3]) for i in (0, 3, 6, 9))
             self._positions, self._score, self._count, target = out[12:]
@@ -209,23 +209,24 @@ class MixedPrecisionH2OKVCache(QuantizedH2OKVCache):
 
 
 def mixed_evict(config, window_size, kv, positions, score, count, n, keys, values, offset,
-                zones=None):
+                zones=None, split=None):
     """A full mixed-precision cache's eviction for the token at ``offset``:
     the policy's victim; a high-zone victim's slot takes the oldest recent
     token (widened, ``MixedKV.promote``); the new token goes into the freed
     recent slot with fresh metadata. Writes ``kv``'s arrays; returns
-    (positions, score, count, target slot (B, Hk, 1)). ``offset`` and
-    ``zones`` may be int32 scalar arrays (``compiled_mixed_evict``)."""
+    (positions, score, count, target slot (B, Hk, 1)). ``offset``, ``zones``
+    and ``split`` (``kv.split``) may be int32 scalar arrays
+    (``compiled_mixed_evict``)."""
     pos = positions[..., :n]
     pri = slot_priority(config, pos, score[..., :n], count[..., :n], offset + 1, window_size,
                         zones)
     victim = policy.select_victim(pri, pos)[..., None]  # (B, Hk, 1)
-    target = kv.promote(victim, pos)
+    target = kv.promote(victim, pos, split)
     meta = []
     for a, fresh in ((positions, offset), (score, 0), (count, 0)):
         a = put_slot(a, victim, take_slots(a, target, n))  # oldest recent -> victim
         meta.append(put_slot(a, target, mx.full(target.shape, fresh, a.dtype)))
-    kv.write_slot(target, keys, values)
+    kv.write_slot(target, keys, values, split)
     return (*meta, target)
 
 
@@ -233,15 +234,17 @@ def mixed_evict(config, window_size, kv, positions, score, count, n, keys, value
 def compiled_mixed_evict(config, window_size, hi_bits, lo_bits, group_size, split):
     """``mixed_evict`` through mx.compile (on the CPU ~100 ops become a few
     fused ones): (hi K, hi V, lo K, lo V triples, positions, score, count,
-    keys, values, offset, sink, recent) -> the 12 zone arrays, positions,
-    score, count, target."""
+    keys, values, offset, sink, recent, split) -> the 12 zone arrays,
+    positions, score, count, target. The int32 scalar inputs keep every
+    token and layer size on one build of the CPU code."""
 
     def step(hi_k, hi_v, lo_k, lo_v, positions, score, count, keys, values, offset, sink,
-             recent):
+             recent, split_array):
         kv = MixedKV(hi_bits, lo_bits, group_size, split)
         kv.hi.keys, kv.hi.values, kv.lo.keys, kv.lo.values = hi_k, hi_v, lo_k, lo_v
         *meta, target = mixed_evict(config, window_size, kv, positions, score, count,
-                                    positions.shape[2], keys, values, offset, (sink, recent))
+                                    positions.shape[2], keys, values, offset, (sink, recent),
+                                    split_array)
         return (*kv.hi.keys, *kv.hi.values, *kv.lo.keys, *kv.lo.values, *meta, target)
 
     return mx.compile(step)
