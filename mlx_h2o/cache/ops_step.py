@@ -72,9 +72,10 @@ def _fresh_slot(positions, score, count, slot, position):
 
 
 def attention_for(kind) -> Callable:
-    """The attention with scores a compiled step runs over a storage's K/V
-    (its ``group_kind``): dense arrays, or ("quantized", bits, group_size)
-    triples read by ``mx.quantized_matmul`` (never dequantized whole)."""
+    """The attention with scores a compiled step runs over a storage's K/V:
+    ``kind`` ("dense",) for arrays, or ("quantized", bits, group_size) for
+    triples (bits one per precision segment for mixed zones), read by
+    ``mx.quantized_matmul`` (never dequantized whole)."""
     if kind[0] == "quantized":
         return partial(quantized_matmul_attention_with_scores, bits=kind[1],
                        group_size=kind[2])

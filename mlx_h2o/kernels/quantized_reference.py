@@ -132,10 +132,10 @@ def quantized_matmul_attention_with_scores(
     G = Hq // Hk
     q = queries.astype(mx.float32).reshape(B, Hk, G * L, D)  # (B, Hk, G*L, D)
     segs = [(k, v, b) for k, v, b in zip(keys, values, kbits) if k[0].shape[2] > 0]
+    if not segs:
+        raise ValueError("no K/V slots to attend: every segment is empty")
     parts = [_qmm(q, k, b, group_size, transpose=True) for k, _, b in segs]
     N = sum(p.shape[-1] for p in parts)
-    if not parts:  # no slots: logits (…, 0), lse -inf, out 0 (as the reference)
-        parts = [mx.zeros((B, Hk, G * L, 0), mx.float32)]
     logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
     logits = logits.reshape(B, Hk, G, L, N) * scale
     logits, probs, lse = masked_softmax(
@@ -147,8 +147,6 @@ def quantized_matmul_attention_with_scores(
         n = k[0].shape[2]
         part = _qmm(probs[..., start : start + n], v, b, group_size, transpose=False)
         out, start = part if out is None else out + part, start + n
-    if out is None:
-        out = mx.zeros((B, Hk, G * L, values[0][1].shape[-1] * group_size), mx.float32)
     return (
         out.astype(queries.dtype).reshape(B, Hq, L, -1),
         logits.reshape(B, Hq, L, N),
