@@ -162,7 +162,7 @@ class MixedPrecisionH2OKVCache(QuantizedH2OKVCache):
             q.bits, q.recent_bits, q.group_size, cfg.max_size - cfg.recent_budget
         )
 
-    # --- compiled CPU steps: only the fold of a full cache -----------------------
+    # --- compiled CPU steps of a full cache: its eviction, then attention + fold ---
     def _compiled_kind(self):
         if type(self.kv) is not MixedKV:
             return None
@@ -170,7 +170,7 @@ class MixedPrecisionH2OKVCache(QuantizedH2OKVCache):
         return ("quantized", bits, self.kv.hi.group_size)
 
     def _steps_compiled(self, queries, mask, sinks) -> bool:
-        return False  # an eviction moves a token between zones: op by op
+        return False  # the eviction moves a token between zones: _write_into_victim
 
     def _fills_compiled(self, queries, mask, sinks) -> bool:
         """A full cache's step, after update_and_fetch evicted and wrote the
@@ -232,11 +232,11 @@ def mixed_evict(config, window_size, kv, positions, score, count, n, keys, value
 
 @functools.lru_cache(maxsize=64)
 def compiled_mixed_evict(config, window_size, hi_bits, lo_bits, group_size, split):
-    """``mixed_evict`` through mx.compile (on the CPU ~100 ops become a few
-    fused ones): (hi K, hi V, lo K, lo V triples, positions, score, count,
-    keys, values, offset, sink, recent, split) -> the 12 zone arrays,
-    positions, score, count, target. The int32 scalar inputs keep every
-    token and layer size on one build of the CPU code."""
+    """``mixed_evict`` through mx.compile (its elementwise ops fuse; its
+    scatters and gathers stay): (hi K, hi V, lo K, lo V triples, positions,
+    score, count, keys, values, offset, sink, recent, split) -> the 12 zone
+    arrays, positions, score, count, target. The int32 scalar inputs keep
+    every token and layer size on one build of the CPU code."""
 
     def step(hi_k, hi_v, lo_k, lo_v, positions, score, count, keys, values, offset, sink,
              recent, split_array):
