@@ -9,8 +9,17 @@ import numpy as np
 import pytest
 
 from mlx_h2o import H2OConfig, H2OKVCache
+from mlx_h2o.cache import MixedPrecisionH2OKVCache, QuantConfig, QuantizedH2OKVCache
+from mlx_h2o.cache import h2o as h2o_module
 
 D, HQ, HK = 8, 4, 2
+# Storage kinds whose overflowing chunks are scored by their window, and
+# their head dim (quantized groups need 32 values at least).
+KINDS = {
+    "dense": (H2OKVCache, D),
+    "q8": (lambda cfg: QuantizedH2OKVCache(cfg, quant=QuantConfig(8, 32)), 64),
+    "mixed": (lambda cfg: MixedPrecisionH2OKVCache(cfg, quant=QuantConfig(8, 32, 4)), 64),
+}
 
 
 def full_rows(cache):
@@ -18,13 +27,13 @@ def full_rows(cache):
     return cache
 
 
-def feed(caches, lengths, seed, mask_fn=None):
+def feed(caches, lengths, seed, mask_fn=None, dim=D):
     rngs = [np.random.default_rng(seed) for _ in caches]
     outs = []
     for L in lengths:
         step = []
         for c, rng in zip(caches, rngs):
-            q, k, v = (mx.array(rng.standard_normal((2, h, L, D)).astype(np.float32))
+            q, k, v = (mx.array(rng.standard_normal((2, h, L, dim)).astype(np.float32))
                        for h in (HQ, HK, HK))
             mask = c.make_mask(L) if mask_fn is None else mask_fn(c, L)
             keys, values = c.update_and_fetch(k * 3, v)
@@ -44,11 +53,13 @@ def assert_same_state(a, b):
 
 @pytest.mark.parametrize("mode", ["accumulated", "normalized", "ema"])
 @pytest.mark.parametrize("compact", ["chunk", "prompt"])
-def test_window_scoring_matches_full_rows(mode, compact):
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_window_scoring_matches_full_rows(mode, compact, kind):
     cfg = H2OConfig(max_size=24, sink_size=2, heavy_budget=10, score=mode,
                     prefill_window=5, prefill_pool=3, prefill_compact=compact)
-    fast, slow = H2OKVCache(cfg), full_rows(H2OKVCache(cfg))
-    for a, b in feed((fast, slow), [20, 17, 1, 1, 30, 1, 9, 1, 1], seed=3):
+    make, dim = KINDS[kind]
+    fast, slow = make(cfg), full_rows(make(cfg))
+    for a, b in feed((fast, slow), [20, 17, 1, 1, 30, 1, 9, 1, 1], seed=3, dim=dim):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     assert_same_state(fast, slow)
     assert fast.evicted > 0
@@ -69,19 +80,25 @@ def test_window_scoring_with_an_array_mask():
     assert_same_state(fast, slow)
 
 
-def test_only_the_window_gets_logits(monkeypatch):
-    cfg = H2OConfig(max_size=16, prefill_window=6)
-    cache = H2OKVCache(cfg)
-    rows = []
-    real = cache.kv.attention
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_only_the_window_gets_logits(monkeypatch, kind):
+    make, dim = KINDS[kind]
+    cache = make(H2OConfig(max_size=16, prefill_window=6))
+    rows = {"storage": [], "window": []}
 
-    def spy(queries, *a, **k):
-        rows.append(queries.shape[2])
-        return real(queries, *a, **k)
+    def spy(real, key):
+        def call(queries, *a, **k):
+            rows[key].append(queries.shape[2])
+            return real(queries, *a, **k)
+        return call
 
-    monkeypatch.setattr(cache.kv, "attention", spy)
-    feed((cache,), [10, 40], seed=5)
-    assert rows == [10, 6]  # within budget: every row; overflowing: the window
+    monkeypatch.setattr(cache.kv, "attention", spy(cache.kv.attention, "storage"))
+    window = spy(h2o_module.scaled_dot_product_attention_with_scores, "window")
+    monkeypatch.setattr(h2o_module, "scaled_dot_product_attention_with_scores", window)
+    feed((cache,), [10, 40], seed=5, dim=dim)
+    # within budget: every row (the storage's attention); overflowing: SDPA
+    # for the output, logits for the window's rows only
+    assert rows == {"storage": [10], "window": [6]}
 
 
 def test_window_layers_and_short_chunks_keep_every_row():

@@ -8,8 +8,10 @@ from mlx_lm.models.base import create_causal_mask
 
 from .. import policy
 from ..config import H2OConfig, config_from_dict, config_to_dict
-from ..kernels import fold_step_supported
+from ..kernels import fold_step_supported, scaled_dot_product_attention_with_scores
 from .deferred import DeferredScores, ScoreQueue
+from .mixed_storage import MixedKV
+from .quantized_storage import QuantizedKV
 from .slots import Slots
 from .steps import DecodeSteps
 from .storage import DenseKV
@@ -182,18 +184,21 @@ class H2OKVCache(Slots, DeferredScores, DecodeSteps):
         # Only the window's scores are folded: MLX's SDPA attends the whole
         # chunk, and logits come for the last W queries alone (a 2K chunk's
         # float32 logits were ~1 GB per layer for an 8B model).
+        keys, values = self.kv.dense(keys, values, queries.dtype)
         out = mx.fast.scaled_dot_product_attention(
             queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        _, logits, lse = self.kv.attention(queries[:, :, -W:], keys, values, scale=scale,
-                                           mask=_last_rows(mask, W), sinks=sinks)
+        _, logits, lse = scaled_dot_product_attention_with_scores(
+            queries[:, :, -W:], keys, values, scale=scale, mask=_last_rows(mask, W),
+            sinks=sinks)
         return out, logits, lse
 
     def _scored_by_window(self, L) -> bool:
         """A chunk that overflows is scored by its last ``prefill_window`` queries
-        (dense global layers; W > 1 so that neighbour pooling applies as before)."""
+        (global layers, dense or quantized storage; W > 1 so that neighbour
+        pooling applies as before)."""
         W = self.config.prefill_window
         return (L > W > 1 and self._n > self.max_size and self.window_size is None
-                and type(self.kv) is DenseKV)
+                and type(self.kv) in (DenseKV, QuantizedKV, MixedKV))
 
     def _fold_ops(self, logits, lse, L):
         """Fold this step's scores op by op, then compact a chunk that overflowed.

@@ -10,6 +10,7 @@ it represents the same values it was written with.
 import mlx.core as mx
 
 from ..kernels.quantized import quantized_attention
+from ..kernels.quantized_reference import dequantize_segments
 from .quantized_storage import QuantizedKV, Triple, convert
 
 
@@ -114,6 +115,14 @@ class MixedKV:
     def fetch(self, n: int):
         parts = [zone.fetch(m) for zone, m in self._zones(n)]
         return tuple(k for k, _ in parts), tuple(v for _, v in parts)
+
+    def dense(self, keys, values, dtype):
+        """Fetched zones' K / V dequantized in ``dtype`` and joined (see
+        QuantizedKV.dense)."""
+        n = sum(k[0].shape[2] for k in keys)
+        bits = tuple(zone.bits for zone, _ in self._zones(n))
+        gs = self.hi.group_size
+        return tuple(dequantize_segments(t, bits, gs, dtype) for t in (keys, values))
 
     def attention(self, queries, keys, values, *, scale, mask, sinks):
         n = sum(k[0].shape[2] for k in keys)

@@ -263,6 +263,13 @@ class QuantizedKV:
         out = mx.quantized_matmul(s, *v, transpose=False, group_size=gs, bits=bits)
         return out.reshape(B, Hq, L, D)
 
+    def dense(self, keys, values, dtype):
+        """Fetched K / V dequantized in ``dtype`` (a window-scored prompt chunk
+        attends them with MLX's SDPA instead of computing every row's logits)."""
+        keys, values = self._as_triples(keys, values)
+        return tuple(dequantize(t, bits=self.bits, group_size=self.group_size, dtype=dtype)
+                     for t in (keys, values))
+
     def dense_keys(self, n: int) -> mx.array:
         """The first n keys dequantized in float32 (as the kernels compute them)."""
         t = tuple(a[..., :n, :] for a in self.keys)

@@ -123,6 +123,11 @@ class DenseKV:
         """Attention without scores (a group step's): MLX's fused SDPA."""
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
 
+    def dense(self, keys, values, dtype):
+        """Fetched K / V as arrays (a window-scored prompt chunk attends them
+        with MLX's SDPA): already are."""
+        return keys, values
+
     def dense_keys(self, n: int) -> mx.array:
         # A full buffer as is (no slice node), as fetch returns it.
         return self.keys if n == self.keys.shape[2] else self.keys[..., :n, :]
