@@ -40,14 +40,15 @@ def strategies(model, context, budget):
         "h2o_evict_ops": lambda: uncompiled(
             make_h2o_cache(model, H2OConfig(max_size=budget, heavy_budget=budget // 2))),
         # 8-bit K/V (QuantizedH2OKVCache), evicting every step; compiled and op by op
-        "h2o_q8_evict": lambda: q8(model, budget),
-        "h2o_q8_evict_ops": lambda: uncompiled(q8(model, budget)),
+        "h2o_q8_evict": lambda: quantized(model, budget),
+        "h2o_q8_evict_ops": lambda: uncompiled(quantized(model, budget)),
         # heavy hitters at 8 bits, the recent window at 4 (MixedPrecisionH2OKVCache)
-        "h2o_mixed_evict": lambda: q8(model, budget, recent_bits=4),
+        "h2o_mixed_evict": lambda: quantized(model, budget, recent_bits=4),
     }
 
 
-def q8(model, budget, recent_bits=None):
+def quantized(model, budget, recent_bits=None):
+    """8-bit H2O caches; ``recent_bits``: the recent window at that width (mixed)."""
     return make_h2o_cache(model, H2OConfig(max_size=budget, heavy_budget=budget // 2),
                           cache_type=quantized_cache_type(QuantConfig(8, 64, recent_bits)))
 

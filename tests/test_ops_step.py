@@ -47,18 +47,26 @@ def assert_same(a, b):
         np.testing.assert_array_equal(np.array(x), np.array(y))
 
 
+def same_over_stream(caches, seed, dim=D):
+    """Feed STREAM to (compiled, plain): outputs and state equal after every
+    step. Returns the steps after which the compiled cache carried a victim
+    (only a compiled evicting step leaves one)."""
+    rngs, taken = [np.random.default_rng(seed), np.random.default_rng(seed)], 0
+    for L in STREAM:
+        outs = [step(c, L, r, dim=dim) for c, r in zip(caches, rngs)]
+        np.testing.assert_allclose(np.array(outs[0]), np.array(outs[1]), rtol=1e-5, atol=1e-6)
+        taken += caches[0]._victim is not None
+        assert caches[1]._victim is None
+        assert_same(*caches)
+    return taken
+
+
 @pytest.mark.parametrize("mode", ["ema", "attention_ema", "accumulated", "normalized"])
 @pytest.mark.parametrize("window", [None, 17, 40])
 def test_compiled_step_equals_op_by_op(mode, window):
     cfg = H2OConfig(max_size=24, sink_size=2, heavy_budget=9, score=mode, pinned=((5, 7),))
-    caches, rngs = pair(cfg, window), [np.random.default_rng(3), np.random.default_rng(3)]
-    taken = 0
-    for L in STREAM:
-        outs = [step(c, L, r) for c, r in zip(caches, rngs)]
-        np.testing.assert_allclose(np.array(outs[0]), np.array(outs[1]), rtol=1e-5, atol=1e-6)
-        taken += caches[0]._victim is not None  # set by the compiled step only
-        assert caches[1]._victim is None
-        assert_same(*caches)
+    caches = pair(cfg, window)
+    taken = same_over_stream(caches, seed=3)
     assert taken >= 50 and caches[0].evicted > 50  # most decode steps evicted
 
 
@@ -73,13 +81,8 @@ def test_compiled_quantized_step_equals_op_by_op(mode, window, bits):
     def make(config, window_size):
         return QuantizedH2OKVCache(config, window_size, quant=QuantConfig(bits, 32))
 
-    caches, rngs = pair(cfg, window, make), [np.random.default_rng(4), np.random.default_rng(4)]
-    taken = 0
-    for L in STREAM:
-        outs = [step(c, L, r, dim=64) for c, r in zip(caches, rngs)]
-        np.testing.assert_allclose(np.array(outs[0]), np.array(outs[1]), rtol=1e-5, atol=1e-6)
-        taken += caches[0]._victim is not None  # set by the compiled step only
-        assert_same(*caches)
+    caches = pair(cfg, window, make)
+    taken = same_over_stream(caches, seed=4, dim=64)
     assert taken >= 50 and caches[0].evicted > 50
     assert caches[0]._victim.shape == (2, HK, 1, 1)  # what the triples' scatters take
 
@@ -94,7 +97,7 @@ def test_compiled_mixed_steps_equal_op_by_op(monkeypatch, mode, window):
     def make(config, window_size):
         return MixedPrecisionH2OKVCache(config, window_size, quant=QuantConfig(8, 32, 4))
 
-    caches, rngs = pair(cfg, window, make), [np.random.default_rng(6), np.random.default_rng(6)]
+    caches = pair(cfg, window, make)
     calls = {"fill": 0, "evict": 0}
     fill = caches[0]._compiled_fill
     caches[0]._compiled_fill = lambda *a: calls.update(fill=calls["fill"] + 1) or fill(*a)
@@ -105,10 +108,7 @@ def test_compiled_mixed_steps_equal_op_by_op(monkeypatch, mode, window):
         return evict(*a)
 
     monkeypatch.setattr(quantized_module, "compiled_mixed_evict", counting)
-    for L in STREAM:
-        outs = [step(c, L, r, dim=64) for c, r in zip(caches, rngs)]
-        np.testing.assert_allclose(np.array(outs[0]), np.array(outs[1]), rtol=1e-5, atol=1e-6)
-        assert_same(*caches)
+    same_over_stream(caches, seed=6, dim=64)
     assert calls["fill"] >= 50 and calls["evict"] >= 50 and caches[0].evicted > 50
 
 

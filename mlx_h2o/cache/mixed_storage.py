@@ -116,22 +116,24 @@ class MixedKV:
         parts = [zone.fetch(m) for zone, m in self._zones(n)]
         return tuple(k for k, _ in parts), tuple(v for _, v in parts)
 
+    def segment_bits(self, n: int) -> tuple:
+        """The widths of what ``fetch(n)`` returns, one per non-empty zone."""
+        return tuple(zone.bits for zone, _ in self._zones(n))
+
     def dense(self, keys, values, dtype):
         """Fetched zones' K / V dequantized in ``dtype`` and joined (see
         QuantizedKV.dense)."""
-        n = sum(k[0].shape[2] for k in keys)
-        bits = tuple(zone.bits for zone, _ in self._zones(n))
+        bits = self.segment_bits(sum(k[0].shape[2] for k in keys))
         gs = self.hi.group_size
         return tuple(dequantize_segments(t, bits, gs, dtype) for t in (keys, values))
 
     def attention(self, queries, keys, values, *, scale, mask, sinks):
-        n = sum(k[0].shape[2] for k in keys)
         return quantized_attention(
             queries,
             keys,
             values,
             scale=scale,
-            bits=tuple(zone.bits for zone, _ in self._zones(n)),
+            bits=self.segment_bits(sum(k[0].shape[2] for k in keys)),
             group_size=self.hi.group_size,
             mask=mask,
             sinks=sinks,

@@ -166,8 +166,7 @@ class MixedPrecisionH2OKVCache(QuantizedH2OKVCache):
     def _compiled_kind(self):
         if type(self.kv) is not MixedKV:
             return None
-        bits = tuple(zone.bits for zone, _ in self.kv._zones(self._n))
-        return ("quantized", bits, self.kv.hi.group_size)
+        return ("quantized", self.kv.segment_bits(self._n), self.kv.hi.group_size)
 
     def _steps_compiled(self, queries, mask, sinks) -> bool:
         return False  # the eviction moves a token between zones: _write_into_victim
