@@ -7,7 +7,8 @@ B=1, 32 query / 8 KV heads, Lq=1. Each timing is a chain of --chain calls
 --repeats chains, ours and MLX's interleaved. K/V sets rotate so the working
 set exceeds L2, as with one cache per layer. Prints the ratio to MLX and the
 achieved K+V bandwidth against a measured device copy; a final JSON line.
---tune times every split count; --step times a whole H2O decode-layer step.
+--tune times every split count; --step times a whole H2O decode-layer step;
+--plain turns off the compiled replay of repeated calls.
 """
 
 import argparse
@@ -139,15 +140,20 @@ def main():
     p.add_argument("--tune", action="store_true", help="time each split count")
     p.add_argument("--step", action="store_true", help="also time a whole layer step")
     p.add_argument("--keys-per-group", type=int, default=0, help="U (0: automatic)")
+    p.add_argument("--plain", action="store_true",
+                   help="never replay a compiled launch (every call rebuilds it)")
     args = p.parse_args()
     decode.KEYS_PER_LANE_GROUP = args.keys_per_group
+    if args.plain:
+        decode._REPEATED = decode.Repeated(size=0)
     if gpu_backend() is None:
         print("no GPU backend: nothing to benchmark")
         return 2
     dtype = getattr(mx, args.dtype)
     bw = copy_bandwidth(args.repeats)
     print(f"backend={gpu_backend()} mlx={mx.__version__} dtype={args.dtype} B={B} "
-          f"heads={HQ}/{HK} chain={args.chain} repeats={args.repeats} U={args.keys_per_group}")
+          f"heads={HQ}/{HK} chain={args.chain} repeats={args.repeats} U={args.keys_per_group} "
+          f"plain={args.plain}")
     print(f"copy bandwidth (read+write): {bw / 1e9:.0f} GB/s")
     print(f"{'D':>4s} {'N':>6s} {'ours us':>8s} {'mlx us':>8s} {'ratio':>6s} "
           f"{'GB/s':>6s} {'floor us':>8s} {'x floor':>7s} {'host us o/m':>11s}")

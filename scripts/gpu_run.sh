@@ -1,7 +1,7 @@
 #!/bin/sh
 # One device call: install MLX CUDA (if given), then check and time the kernels.
 #
-#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|tune|pytest|tests|sweep|qfold|qtile|model|realmodel|ptx]...
+#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|ab|tune|pytest|tests|sweep|qfold|qtile|model|realmodel|ptx]...
 #
 # "install" expects .gpu/part1 already copied to /root/mlxw (previous call) and
 # .gpu/part2 and .gpu/lib (mlx_lm) carried now; "ensure" reuses a warm install.
@@ -48,6 +48,16 @@ for step in "$@"; do
           --steps 64 --context ${cb%:*} --budget ${cb#*:} --strategies kvcache rotating \
           h2o_no_evict h2o h2o_batch64 2>&1 | tee "$OUT/real_${cb%:*}_${cb#*:}.log" \
           | grep -v "^round\|^{" || status=1
+      done ;;
+    ab)  # kernel microbenchmark, a base commit (.gpu/old: git archive BASE mlx_h2o
+         # scripts/bench_kernels.py) against this tree, alternating; $BENCH_ARGS
+      for i in 1 2; do
+        python3 .gpu/old/scripts/bench_kernels.py ${BENCH_ARGS:-} 2>&1 \
+          | tee -a "$OUT/bench_old.log" | grep -v "^{" || status=1
+        python3 scripts/bench_kernels.py ${BENCH_ARGS:-} 2>&1 \
+          | tee -a "$OUT/bench_new.log" | grep -v "^{" || status=1
+        python3 scripts/bench_kernels.py --plain ${BENCH_ARGS:-} 2>&1 \
+          | tee -a "$OUT/bench_plain.log" | grep -v "^{" || status=1
       done ;;
     ptx)  # bring compiled kernels back, so a cold machine skips NVRTC
       tar -czf "$OUT/ptx.tgz" -C /tmp/mlx . && ls -la "$OUT/ptx.tgz" ;;

@@ -5,6 +5,8 @@ only where MLX has a GPU backend (Metal or CUDA). scripts/gpu_check.py runs
 the full sweep there.
 """
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -143,6 +145,47 @@ def test_kernel_matches_float64(case):
                                 num_splits=case.splits, poison=float("nan"))
 
     ok, errs = check_case(case, 1234, fn)
+    assert ok, errs
+
+
+def test_repeated_compiles_a_signature_seen_before():
+    from mlx_h2o.kernels.decode import Repeated
+
+    traced = []
+
+    def launch(x):
+        traced.append(x.shape)
+        return x * 2
+
+    rep = Repeated(size=2)
+    assert rep.get("a", launch) is None  # first call: plain
+    fn = rep.get("a", launch)
+    assert fn is not None and rep.get("a", launch) is fn
+    x = mx.arange(3)
+    assert mx.array_equal(fn(x), x * 2) and mx.array_equal(fn(x + 1), (x + 1) * 2)
+    assert traced == [(3,)]  # traced once, replayed after
+    assert rep.get("b", launch) is None and rep.get("c", launch) is None
+    assert rep.get("a", launch) is None  # dropped: only the newest two are kept
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", [Case(N=97), Case(N=4097, Hq=32, Hk=8, mask="bool_kv"),
+                                  Case(N=1025, sinks=True, dtype="bfloat16")],
+                         ids=lambda c: c.label())
+def test_repeated_calls_replay_a_compiled_launch(case):
+    from mlx_h2o.kernels import decode
+
+    def fn(q, k, v, scale, mask, sinks):
+        return decode.decode_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+
+    for seed in (1, 2, 3):  # plain, then compiled, then replayed on new inputs
+        ok, errs = check_case(case, seed, fn)
+        assert ok, (seed, errs)
+    assert any(f is not None for f in decode._REPEATED._seen.values())
+    # Same shapes, other strides (a cache-buffer view): read when the kernel runs.
+    ok, errs = check_case(replace(case, view="slice"), 4, fn)
+    assert ok, errs
+    ok, errs = check_case(replace(case, view="strided"), 5, fn)
     assert ok, errs
 
 
