@@ -176,7 +176,7 @@ def main():
                   f"{row['x_floor']:7.2f} {row['host_ours_us']:5.1f}/{row['host_mlx_us']:<5.1f}",
                   flush=True)
             if args.tune:
-                for S in (1, 2, 4, 8, 16, 32, 64, 128):
+                for S in (1, 2, 4, 8, 16, 32, 64, 128, 256):
                     o, _, _ = attention_chains(N, D, dtype, splits=S)
                     print(f"       tune S={S:3d}: {timed(o, args.chain, args.repeats) * 1e6:8.1f} us",
                           flush=True)

@@ -69,6 +69,8 @@ def test_choose_splits():
     counts = [choose_splits(n, 8, 64) for n in (257, 1025, 4097, 32768, 10**6)]
     assert counts == sorted(counts) and max(counts) <= 256 and counts[0] > 1
     assert choose_splits(32768, 512, 64) == 1  # enough blocks already
+    # D > 128: half the blocks (register-bound residency, docs/GPU.md)
+    assert choose_splits(32768, 8, 32, 128) == 64 and choose_splits(32768, 8, 32, 256) == 32
 
 
 def test_mask_mode():

@@ -51,12 +51,17 @@ def layout(D: int, itemsize: int, G: int, L: int, U: int = 0) -> Layout:
     return Layout(R=R, RT=rows // R, TPK=32, EPL=epl, U=U, tile=(NT // 32) * U)
 
 
-def choose_splits(N: int, units: int, tile: int) -> int:
-    """Key splits per (sequence, KV head, row tile): fill the GPU, keep splits long."""
+def choose_splits(N: int, units: int, tile: int, D: int = 128) -> int:
+    """Key splits per (sequence, KV head, row tile): fill the GPU, keep splits long.
+
+    Head dims above 128 take half the blocks: pass 1 then needs ~168
+    registers a thread, 3 blocks fit an SM, and 512 blocks ran as two waves
+    (H200, D=256: S=32 73 / 106 us at 16K / 32K, S=64 85 / 128; docs/GPU.md).
+    """
     if N <= SINGLE_PASS_MAX_N:
         return 1
     by_len = -(-N // max(MIN_SPLIT_KEYS, tile))
-    by_fill = -(-TARGET_BLOCKS // units)
+    by_fill = -(-(TARGET_BLOCKS if D <= 128 else TARGET_BLOCKS // 2) // units)
     return max(1, min(by_len, by_fill, MAX_SPLITS))
 
 
@@ -163,7 +168,7 @@ def decode_attention(
     G = Hq // Hk
     lay = layout(D, q.dtype.size, G, L, KEYS_PER_LANE_GROUP)
     kind, mh = mask_mode(mask, B, Hq, Hk, L, N)
-    S = num_splits or choose_splits(N, B * Hk * lay.RT, lay.tile)
+    S = num_splits or choose_splits(N, B * Hk * lay.RT, lay.tile, D)
     S = max(1, min(S, MAX_SPLITS))
     arrays = [q, k, v, params_f(float(scale))]
     arrays += [mask] if kind in ("bool", "add") else []
@@ -179,7 +184,8 @@ def decode_attention(
 
 
 def _launch(q, k, v, prm_f, *extra, lay, kind, mh, S, has_sinks, poison=None):
-    """The kernel launches of ``decode_attention``: one pass, or splits + merge."""
+    """The kernel launches of ``decode_attention``: one pass, or splits + a
+    merge with one block per query row."""
     B, Hq, L, D = q.shape
     Hk, N = k.shape[1], k.shape[2]
     G = Hq // Hk
@@ -205,7 +211,7 @@ def _launch(q, k, v, prm_f, *extra, lay, kind, mh, S, has_sinks, poison=None):
     k2 = _make_pass2_kernel(has_sinks, False)
     out, lse = k2(
         inputs=[part_o, part_ml] + sinks,
-        template=lay.template(q.dtype, D, L, G, Hk), grid=(units * NT, 1, 1),
+        template=lay.template(q.dtype, D, L, G, Hk), grid=(units * lay.R * NT, 1, 1),
         threadgroup=(NT, 1, 1), output_shapes=[(B, Hq, L, D), (B, Hq, L)],
         output_dtypes=[q.dtype, f32], init_value=poison,
     )

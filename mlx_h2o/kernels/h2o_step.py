@@ -106,7 +106,7 @@ class StepPlan:
     def splits(self, N: int) -> int:
         S = self._splits.get(N)
         if S is None:
-            S = choose_splits(N, self.units, self.lay.tile)
+            S = choose_splits(N, self.units, self.lay.tile, self.shape[3])
             if self.shape[4] > FUSED_MAX_GROUP:
                 S = max(S, 2)  # the fold then runs in pass 2, which loops over row tiles
             S = self._splits[N] = max(1, min(S, MAX_SPLITS))

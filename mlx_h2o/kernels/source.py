@@ -62,6 +62,8 @@ typedef long long i64;
 #define H2O_F2I(x) __float_as_int(x)
 #define H2O_ALIGNED16(p) ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0)
 #define H2O_UNROLL _Pragma("unroll")
+#define H2O_UNROLL_N(n) _Pragma(H2O_STR(unroll n))
+#define H2O_STR(x) #x
 
 // E elements of T as raw words of up to 16 bytes: loads stay as wide as a
 // lane's slice allows (4, 8, 16 or 2 x 16 bytes).
@@ -132,6 +134,8 @@ typedef long i64;
 #define H2O_F2I(x) as_type<int>(x)
 #define H2O_ALIGNED16(p) true
 #define H2O_UNROLL _Pragma("clang loop unroll(full)")
+#define H2O_UNROLL_N(n) _Pragma(H2O_STR(clang loop unroll_count(n)))
+#define H2O_STR(x) #x
 
 template <typename T, int E>
 struct H2ORaw {
@@ -431,12 +435,13 @@ SINK_INIT_PASS1 = r"""
   }
 """
 
-# Pass 2: merge S partials per row (one block per (sequence, KV head, row
-# tile), or per (sequence, KV head) when fused), then the optional fold.
-# Every warp finds a row's max and sum itself (lanes over splits, no
-# barrier); warp j sums the outputs of splits j, j + NG, ... (lane: elements
-# lane + 32 i), and the warps' sums meet in shared memory. A serial loop
-# over the splits per row cost ~20 us at S = 64 (docs/GPU.md, session 15).
+# Pass 2: merge S partials per row: one block per row of a (sequence, KV
+# head, row tile), or, fused, per (sequence, KV head) looping over its rows;
+# then the optional fold. Every warp finds a row's max and sum itself (lanes
+# over splits, no barrier); warp j sums the outputs of splits j, j + NG, ...
+# (lane: elements lane + 32 i), and the warps' sums meet in shared memory.
+# A serial loop over the splits, 8 blocks at B=1, cost ~20 us at S = 64
+# (docs/GPU.md, session 15).
 PASS2 = r"""
 $IDS
   constexpr int NT = 128;
@@ -447,14 +452,15 @@ $FUSED_ROWS
   const int S = part_ml_shape[1];
   H2O_SHARED float red_o[NG * D];
   H2O_SHARED float lse_sh[G * L];
-  const int u0 = FUSED_ROWS ? blk_x * RT : blk_x;
-  const int nu = FUSED_ROWS ? RT : 1;
-  for (int uu = 0; uu < nu; ++uu) {
-    const int unit = u0 + uu;
+  const int i0 = FUSED_ROWS ? blk_x * RT * R : blk_x;  // item = unit * R + row
+  const int ni = FUSED_ROWS ? RT * R : 1;
+  for (int ii = 0; ii < ni; ++ii) {
+    const int unit = (i0 + ii) / R;
+    const int r = (i0 + ii) % R;
     const int rt = unit % RT;
     const int b = unit / (RT * HK);
     const int hk = (unit / RT) % HK;
-    for (int r = 0; r < R; ++r) {
+    {
       const int gr = rt * R + r;
       const int hq = hk * G + gr / L;
       const int l = gr % L;
@@ -474,7 +480,8 @@ $SINK_SUM
       float o[DL];
       H2O_UNROLL
       for (int i = 0; i < DL; ++i) o[i] = 0.0f;
-      for (int s = warp; s < S; s += NG) {
+      H2O_UNROLL_N(4)
+      for (int s = warp; s < S; s += NG) {  // unrolled: independent loads in flight
         const float m = part_ml[(base + s * R) * 2];
         const float wgt = m == -H2O_INF ? 0.0f : H2O_EXP(m - shift);
         const i64 prow = (base + s * R) * D;
