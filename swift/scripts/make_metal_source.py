@@ -142,8 +142,9 @@ def layouts() -> list:
 
 def splits() -> list:
     return [
-        dict(N=N, units=units, tile=tile, S=decode.choose_splits(N, units, tile))
-        for N, units, tile in product((1, 256, 257, 1000, 4096, 32768), (1, 8, 64, 600), (32, 64, 256))
+        dict(N=N, units=units, tile=tile, D=D, S=decode.choose_splits(N, units, tile, D))
+        for N, units, tile, D in product((1, 256, 257, 1000, 4096, 32768), (1, 8, 64, 600),
+                                         (32, 64, 256), (128, 256))
     ]
 
 

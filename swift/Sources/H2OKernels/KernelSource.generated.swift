@@ -360,6 +360,8 @@ typedef long i64;
 #define H2O_F2I(x) as_type<int>(x)
 #define H2O_ALIGNED16(p) true
 #define H2O_UNROLL _Pragma("clang loop unroll(full)")
+#define H2O_UNROLL_N(n) _Pragma(H2O_STR(clang loop unroll_count(n)))
+#define H2O_STR(x) #x
 
 template <typename T, int E>
 struct H2ORaw {
@@ -594,46 +596,66 @@ $TAIL
 
 $IDS
   constexpr int NT = 128;
+  constexpr int NG = NT / 32;
   constexpr int RT = G * L / R;
+  constexpr int DL = (D + 31) / 32;  // output elements per lane
 $FUSED_ROWS
   const int S = part_ml_shape[1];
-  H2O_SHARED float w_s[256];
+  H2O_SHARED float red_o[NG * D];
   H2O_SHARED float lse_sh[G * L];
-  const int u0 = FUSED_ROWS ? blk_x * RT : blk_x;
-  const int nu = FUSED_ROWS ? RT : 1;
-  for (int uu = 0; uu < nu; ++uu) {
-    const int unit = u0 + uu;
+  const int i0 = FUSED_ROWS ? blk_x * RT * R : blk_x;  // item = unit * R + row
+  const int ni = FUSED_ROWS ? RT * R : 1;
+  for (int ii = 0; ii < ni; ++ii) {
+    const int unit = (i0 + ii) / R;
+    const int r = (i0 + ii) % R;
     const int rt = unit % RT;
     const int b = unit / (RT * HK);
     const int hk = (unit / RT) % HK;
-    for (int r = 0; r < R; ++r) {
+    {
       const int gr = rt * R + r;
       const int hq = hk * G + gr / L;
       const int l = gr % L;
       const i64 base = (i64)unit * S * R + r;  // + s * R
       float M = -H2O_INF;
-      for (int s = 0; s < S; ++s) M = H2O_FMAX(M, part_ml[(base + s * R) * 2]);
+      for (int s = lane; s < S; s += 32) M = H2O_FMAX(M, part_ml[(base + s * R) * 2]);
+      for (int m_ = 16; m_ > 0; m_ >>= 1) M = H2O_FMAX(M, H2O_SHFL_XOR(M, m_));
 $SINK_MAX
       const float shift = M == -H2O_INF ? 0.0f : M;
       float lsum = 0.0f;
-      for (int s = 0; s < S; ++s) {
+      for (int s = lane; s < S; s += 32) {
+        const float m = part_ml[(base + s * R) * 2];
+        lsum += m == -H2O_INF ? 0.0f : part_ml[(base + s * R) * 2 + 1] * H2O_EXP(m - shift);
+      }
+      for (int m_ = 16; m_ > 0; m_ >>= 1) lsum += H2O_SHFL_XOR(lsum, m_);
+$SINK_SUM
+      float o[DL];
+      H2O_UNROLL
+      for (int i = 0; i < DL; ++i) o[i] = 0.0f;
+      H2O_UNROLL_N(4)
+      for (int s = warp; s < S; s += NG) {  // unrolled: independent loads in flight
         const float m = part_ml[(base + s * R) * 2];
         const float wgt = m == -H2O_INF ? 0.0f : H2O_EXP(m - shift);
-        lsum += part_ml[(base + s * R) * 2 + 1] * wgt;
+        const i64 prow = (base + s * R) * D;
+        H2O_UNROLL
+        for (int i = 0; i < DL; ++i) {
+          const int d = lane + 32 * i;
+          if (d < D) o[i] += part_o[prow + d] * wgt;
+        }
       }
-$SINK_SUM
-      H2O_BARRIER();
-      for (int s = tid; s < S; s += NT) {
-        const float m = part_ml[(base + s * R) * 2];
-        w_s[s] = m == -H2O_INF ? 0.0f : H2O_EXP(m - shift);
+      H2O_BARRIER();  // the previous row's reads of red_o are done
+      H2O_UNROLL
+      for (int i = 0; i < DL; ++i) {
+        const int d = lane + 32 * i;
+        if (d < D) red_o[warp * D + d] = o[i];
       }
       H2O_BARRIER();
       const i64 orow = (i64)(b * HK * G + hq) * L + l;
       const float inv = 1.0f / (lsum > 0.0f ? lsum : 1.0f);
       for (int d = tid; d < D; d += NT) {
-        float o = 0.0f;
-        for (int s = 0; s < S; ++s) o += part_o[(base + s * R) * D + d] * w_s[s];
-        out[orow * D + d] = static_cast<T>(o * inv);
+        float acc = 0.0f;
+        H2O_UNROLL
+        for (int j = 0; j < NG; ++j) acc += red_o[j * D + d];
+        out[orow * D + d] = static_cast<T>(acc * inv);
       }
       const float lse_v = H2O_LOG(lsum) + shift;
       if (tid == 0) lse[orow] = lse_v;

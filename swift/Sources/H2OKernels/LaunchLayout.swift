@@ -43,10 +43,13 @@ public struct LaunchLayout: Equatable, Sendable {
 }
 
 /// Key splits per (sequence, KV head, row tile): fill the GPU, keep splits long.
-public func chooseSplits(keys N: Int, units: Int, tile: Int) -> Int {
+/// Head dims above 128 target half the blocks (register-bound residency of
+/// pass 1, measured on CUDA; decode.py).
+public func chooseSplits(keys N: Int, units: Int, tile: Int, D: Int = 128) -> Int {
     if N <= KernelConstants.singlePassMaxN { return 1 }
     let byLength = (N + max(KernelConstants.minSplitKeys, tile) - 1) / max(KernelConstants.minSplitKeys, tile)
-    let byFill = (KernelConstants.targetBlocks + units - 1) / units
+    let target = D <= 128 ? KernelConstants.targetBlocks : KernelConstants.targetBlocks / 2
+    let byFill = (target + units - 1) / units
     return max(1, min(byLength, byFill, KernelConstants.maxSplits))
 }
 

@@ -83,7 +83,7 @@ public func metalDecodeAttention(
     let (kind, headMode, maskArray) = kernelMask(mask, B: B, Hq: Hq, Hk: Hk, L: L, N: N)!
     let units = B * Hk * lay.rowTiles
     let NT = KernelConstants.threadsPerBlock
-    let S = max(1, min(numSplits ?? chooseSplits(keys: N, units: units, tile: lay.tile), KernelConstants.maxSplits))
+    let S = max(1, min(numSplits ?? chooseSplits(keys: N, units: units, tile: lay.tile, D: D), KernelConstants.maxSplits))
     // (1 - alpha) rounded once from double, as the policy's ops do; alpha unused here.
     let prm = MLXArray([scale, Float(0.95), Float(1.0 - 0.95)])
     var inputs: [MLXArray] = [q, k, v, prm]
@@ -108,7 +108,7 @@ public func metalDecodeAttention(
     let pass2 = MetalKernelCache.shared(MetalKernels.pass2(sinks: sinks != nil, fused: false))
     let r = pass2(
         [parts[1], parts[2]] + (sinks.map { [$0] } ?? []), template: template,
-        grid: (units * NT, 1, 1), threadGroup: (NT, 1, 1),
+        grid: (units * lay.rows * NT, 1, 1), threadGroup: (NT, 1, 1),  // a block per query row
         outputShapes: [[B, Hq, L, D], [B, Hq, L]], outputDTypes: [q.dtype, .float32])
     return (r[0], parts[0], r[1])
 }

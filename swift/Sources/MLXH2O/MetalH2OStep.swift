@@ -57,7 +57,7 @@ public func metalH2ODecodeStep(
     let lay = LaunchLayout(D: D, itemSize: q.dtype.size, G: G, L: 1)
     let (kind, headMode, maskArray) = kernelMask(mask, B: B, Hq: Hq, Hk: Hk, L: 1, N: N)!
     let units = B * Hk * lay.rowTiles
-    var S = numSplits ?? chooseSplits(keys: N, units: units, tile: lay.tile)
+    var S = numSplits ?? chooseSplits(keys: N, units: units, tile: lay.tile, D: D)
     if G > KernelConstants.fusedMaxGroup { S = max(S, 2) }  // the fold then runs in pass 2
     S = max(1, min(S, KernelConstants.maxSplits))
     let prmI = MLXArray(

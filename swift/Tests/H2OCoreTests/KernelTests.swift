@@ -53,7 +53,8 @@ struct KernelTests {
             #expect(got == want, "\(r.d)")
         }
         for r in try doc.records("splits") {
-            let s = chooseSplits(keys: try r.int("N"), units: try r.int("units"), tile: try r.int("tile"))
+            let s = chooseSplits(
+                keys: try r.int("N"), units: try r.int("units"), tile: try r.int("tile"), D: try r.int("D"))
             #expect(s == (try r.int("S")), "\(r.d)")
         }
         for r in try doc.records("quantized_splits") {
