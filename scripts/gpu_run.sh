@@ -16,6 +16,7 @@ for step in "$@"; do
     install)
       cp .gpu/part2/* /root/mlxw/ && sh /root/mlxw/install.sh /root/site >/dev/null || exit 3
       cp -r .gpu/lib/* /root/site/ || exit 3
+      [ -f .gpu/ptx.tgz ] && mkdir -p /tmp/mlx && tar -xzf .gpu/ptx.tgz -C /tmp/mlx
       nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
       python3 -c "import mlx.core as mx; print('mlx', mx.__version__, 'cuda', mx.cuda.is_available())"
       ;;
