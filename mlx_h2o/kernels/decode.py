@@ -117,8 +117,9 @@ class Repeated:
     """Compiled launches for call signatures seen before.
 
     A chain of calls with one signature (a full cache, a fixed buffer, a
-    benchmark) replays an ``mx.compile`` graph: ~1 us of host time instead of
-    rebuilding each custom-kernel call (~12 us each on the H100, docs/GPU.md).
+    benchmark) replays an ``mx.compile`` graph instead of rebuilding each
+    custom-kernel call: 2-17 us less per call on the H100 at N <= 4K
+    (``bench_kernels.py`` against ``--plain``, docs/GPU.md "Session 15").
     A signature's first call runs plain, so a growing cache (a new N every
     step) never pays a trace; at most ``size`` compiled launches are kept
     (a dropped one frees its MLX compile cache).
