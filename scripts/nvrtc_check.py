@@ -18,7 +18,7 @@ One-time setup (PyPI only; paths below are the defaults):
 
 Run (exit 1 if any variant fails, 2 if the toolchain is missing):
     .venv/bin/python scripts/nvrtc_check.py [--only SUBSTRING] [--dtypes float16]
-        [--shape D,G,HK,L] [--dump DIR] [-v] [-j JOBS]
+        [--shape D,G,HK,L] [--dump DIR] [--cubin DIR] [-v] [-j JOBS]
         [--nvrtc-lib PATH] [--libmlx PATH] [--include DIR ...]
 The paths default to the setup above, or to $NVRTC_LIB, $MLX_LIB, $MLX_CCCL_DIR
 and $CUDA_INCLUDE. Each compile takes ~1.5 s; NVRTC serialises compiles within
@@ -285,7 +285,8 @@ class NVRTC:
             raise RuntimeError(f"{what}: {self.lib.nvrtcGetErrorString(rc).decode()}")
 
     def compile(self, source: str, name: str, kernel: str):
-        """(ok, log) of one program; `kernel` must name its __global__ function."""
+        """(ok, log, cubin) of one program; `kernel` must name its __global__
+        function."""
         def arr(items):
             return (ctypes.c_char_p * len(items))(*[
                 s if isinstance(s, bytes) else s.encode() for s in items])
@@ -301,13 +302,15 @@ class NVRTC:
             log = ctypes.create_string_buffer(size.value + 1)
             lib.nvrtcGetProgramLog(prog, log)
             if rc:
-                return False, log.value.decode(errors="replace")
+                return False, log.value.decode(errors="replace"), b""
             lowered = ctypes.c_char_p()
             rc = lib.nvrtcGetLoweredName(prog, kernel.encode(), ctypes.byref(lowered))
             self._check(rc, "nvrtcGetLoweredName")
             rc = lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
             self._check(rc, "nvrtcGetCUBINSize")
-            return True, log.value.decode(errors="replace")
+            cubin = ctypes.create_string_buffer(size.value)
+            self._check(lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+            return True, log.value.decode(errors="replace"), cubin.raw
         finally:
             lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
@@ -342,8 +345,8 @@ def _init_worker(lib: str, libmlx: str, options: List[str]):
 def _compile(program):
     func, source = program
     t0 = time.time()
-    ok, log = _nvrtc.compile(source, func, f"mlx::core::cu::{func}")
-    return ok, log, time.time() - t0
+    ok, log, cubin = _nvrtc.compile(source, func, f"mlx::core::cu::{func}")
+    return ok, log, time.time() - t0, cubin
 
 
 def programs(args) -> List[tuple]:
@@ -376,6 +379,8 @@ def main() -> int:
     p.add_argument("--include", action="append", help="include dirs (default: MLX's "
                    "CCCL, then the CUDA headers)")
     p.add_argument("--dump", help="write each generated .cu file into this dir")
+    p.add_argument("--cubin", help="write each compiled program's CUBIN into this dir "
+                   "(for cuobjdump -sass)")
     p.add_argument("-v", "--verbose", action="store_true", help="print whole logs")
     p.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
     args = p.parse_args()
@@ -401,8 +406,12 @@ def main() -> int:
     with ProcessPoolExecutor(max(1, args.jobs), initializer=_init_worker,
                              initargs=init) as pool:
         results = pool.map(_compile, [(func, src) for _, func, src in progs])
-        for (tag, func, _), (ok, log, dt) in zip(progs, results):
+        for (tag, func, _), (ok, log, dt, cubin) in zip(progs, results):
             failed += not ok
+            if ok and args.cubin:  # SASS: cuobjdump -sass DIR/FUNC.cubin
+                os.makedirs(args.cubin, exist_ok=True)
+                with open(os.path.join(args.cubin, f"{func}.cubin"), "wb") as f:
+                    f.write(cubin)
             print(f"OK    {tag}  {ptxas_summary(log)} {dt:.1f}s" if ok
                   else f"FAIL  {tag}  ({func}.cu)", flush=True)
             if args.verbose or not ok:
