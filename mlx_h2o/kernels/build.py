@@ -15,14 +15,29 @@ SCORE_MODES = ("ema", "accumulated", "normalized", "attention_ema")
 
 
 @lru_cache(maxsize=1)
-def gpu_backend() -> Optional[str]:
-    """'metal', 'cuda' or None (no GPU backend in this MLX build)."""
+def device_backend() -> Optional[str]:
+    """'metal', 'cuda' or None: the GPU backend of this MLX build, the one the
+    kernel factories build for."""
     if mx.metal.is_available():
         return "metal"
     cuda = getattr(mx, "cuda", None)
     if cuda is not None and cuda.is_available():
         return "cuda"
     return None
+
+
+@lru_cache(maxsize=1)
+def gpu_backend() -> Optional[str]:
+    """The backend whose kernels the library uses: ``device_backend()``, or
+    None where there is none or its kernels failed their first-use check
+    (Metal's, which never ran before a user's machine: kernels/selfcheck.py)."""
+    backend = device_backend()
+    if backend == "metal":
+        from .selfcheck import kernels_pass  # selfcheck imports decode, which imports us
+
+        if not kernels_pass():
+            return None
+    return backend
 
 
 def _prelude(backend: str) -> Tuple[str, str]:
@@ -134,8 +149,9 @@ def _kernel(backend: str, name: str, names, header: str, body: str, contiguous=F
 
 @lru_cache(maxsize=None)
 def _make_pass1_kernel(mask: str, sinks: bool, split: bool, fused: bool):
-    """Pass-1 kernel for these flags, or None without a GPU backend."""
-    backend = gpu_backend()
+    """Pass-1 kernel for these flags, or None without a GPU backend. Built for
+    ``device_backend()``: the first-use check itself runs these."""
+    backend = device_backend()
     if backend is None:
         return None
     header, body = pass1_source(backend, mask, sinks, split, fused)
@@ -150,7 +166,7 @@ def _make_pass1_kernel(mask: str, sinks: bool, split: bool, fused: bool):
 @lru_cache(maxsize=None)
 def _make_pass2_kernel(sinks: bool, fused: bool):
     """Pass-2 (split merge, optional H2O fold) kernel, or None without a GPU."""
-    backend = gpu_backend()
+    backend = device_backend()
     if backend is None:
         return None
     header, body = pass2_source(backend, sinks, fused)
