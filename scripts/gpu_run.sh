@@ -33,14 +33,14 @@ for step in "$@"; do
     tests)  # every test file with a GPU path (or those in $TESTS), on the GPU
       all="test_kernels_gpu test_group_fold_gpu test_queue_fold_gpu test_fused_wiring
         test_step_group test_deferred_scores test_kv_write_gpu test_quantized_kernel
-        test_evict_batch test_ops_step"
+        test_evict_batch test_ops_step test_selfcheck"
       files=$(for t in ${TESTS:-$all}; do printf 'tests/%s.py ' "$t"; done)
       # SIGINT at the limit: pytest still prints which tests failed and why
       timeout -s INT 450 python3 -m pytest -q -rf --tb=short -p no:cacheprovider $files \
         2>&1 | tee "$OUT/pytest_gpu.log" | tail -30 ;;
     sweep)  # the test files that never ran on a GPU (docs/GPU.md, session 14)
       files=$(ls tests/test_*.py | grep -v -e _gpu.py -e fused_wiring -e step_group \
-        -e deferred_scores -e quantized_kernel -e evict_batch -e ops_step -e swift)
+        -e deferred_scores -e quantized_kernel -e evict_batch -e ops_step -e selfcheck -e swift)
       timeout -s INT 540 python3 -m pytest -q -rf --tb=short -p no:cacheprovider $files \
         2>&1 | tee "$OUT/pytest_sweep.log" | tail -40 ;;
     realmodel)  # the decode benchmark on the carried real model (after "model")
