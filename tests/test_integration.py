@@ -75,6 +75,17 @@ def test_evicting_run_differs_but_stays_bounded():
     stats = cache_stats(cache)
     assert (stats.tokens_seen, stats.tokens_kept, stats.tokens_evicted) == (80, 24, 56)
     assert stats.kv_bytes < stats.unbounded_kv_bytes
+    assert f"({stats.unbounded_kv_bytes / stats.kv_bytes:.2f}x smaller)" in stats.summary()
+
+
+def test_summary_of_a_cache_below_its_budget_says_larger():
+    model = tiny_llama()
+    cache = make_h2o_cache(model, H2OConfig(max_size=512, heavy_budget=200))
+    run(model, cache, mx.random.randint(0, VOCAB, (1, 20)), 4)
+    stats = cache_stats(cache)
+    assert stats.tokens_evicted == 0 and stats.kv_bytes > stats.unbounded_kv_bytes
+    want = f"({stats.kv_bytes / stats.unbounded_kv_bytes:.2f}x larger)"
+    assert want in stats.summary() and "smaller" not in stats.summary()
 
 
 def test_routing_is_reversible():

@@ -18,11 +18,13 @@ class CacheStats:
 
     def summary(self) -> str:
         ratio = self.unbounded_kv_bytes / max(self.kv_bytes, 1)
+        # Below its budget a cache holds preallocated slots, so it can be larger.
+        size = f"{ratio:.2f}x smaller" if ratio >= 1 else f"{1 / ratio:.2f}x larger"
         return (
             f"H2O cache: seen={self.tokens_seen} kept={self.tokens_kept} "
             f"evicted={self.tokens_evicted} | KV {self.kv_bytes / 2**20:.2f} MiB "
             f"vs unbounded {self.unbounded_kv_bytes / 2**20:.2f} MiB "
-            f"({ratio:.2f}x smaller) over {self.layers} layers"
+            f"({size}) over {self.layers} layers"
         )
 
 
