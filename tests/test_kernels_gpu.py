@@ -170,6 +170,52 @@ def test_repeated_compiles_a_signature_seen_before():
     assert rep.get("a", launch) is None  # dropped: only the newest two are kept
 
 
+class FakeKernel:
+    """Stands in for a custom kernel on the CPU: checks that a launch passes
+    the inputs the kernel names (in order: shapes of q, k, v, mask, sinks)
+    and the grid, and returns zeros of the output shapes."""
+
+    def __init__(self, names, calls):
+        self.inputs, self.outputs = names
+        self.calls = calls
+
+    def __call__(self, *, inputs, template, grid, threadgroup, output_shapes,
+                 output_dtypes, init_value=None):
+        assert len(inputs) == len(self.inputs) and len(output_shapes) == len(self.outputs)
+        self.calls.append((dict(zip(self.inputs, (a.shape for a in inputs))), grid))
+        return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+
+@pytest.mark.parametrize("mask", [None, "causal", "bool"])
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_launch_passes_what_each_kernel_names(monkeypatch, mask, sinks, splits):
+    """decode_attention's plumbing, plain and replayed (CPU: kernels faked)."""
+    from mlx_h2o.kernels import decode
+
+    calls = []
+    monkeypatch.setattr(decode, "_make_pass1_kernel", lambda m, s, split, fused: FakeKernel(
+        build.pass1_names(m, s, split, fused), calls))
+    monkeypatch.setattr(decode, "_make_pass2_kernel", lambda s, fused: FakeKernel(
+        build.pass2_names(s, fused), calls))
+    monkeypatch.setattr(decode, "_REPEATED", decode.Repeated())
+    q, k, v = _qkv(L=2, N=300, D=64)  # 4 / 2 heads: R = 4 rows a block
+    m = mx.ones((1, 1, 2, 300), mx.bool_) if mask == "bool" else mask
+    sk = mx.zeros((4,)) if sinks else None
+    for _ in range(3):  # plain, then compiled (traced once), then replayed
+        out, logits, lse = decode.decode_attention(q, k, v, scale=0.1, mask=m, sinks=sk,
+                                                   num_splits=splits)
+        assert (out.shape, logits.shape, lse.shape) == ((1, 4, 2, 64), (1, 4, 2, 300), (1, 4, 2))
+    assert len(calls) == 2 * (1 if splits == 1 else 2)  # the replay launches no Python
+    first, grid = calls[0]
+    assert first["k"] == (1, 2, 300, 64) and grid == (2 * 128, splits, 1)
+    assert ("mask" in first) == (mask == "bool") and ("sinks" in first) == (sinks and splits == 1)
+    if splits > 1:
+        merge, grid = calls[1]
+        assert ("sinks" in merge) == sinks and merge["part_o"] == (2, splits, 4, 64)
+        assert grid == (2 * 4 * 128, 1, 1)  # a block per query row
+
+
 @needs_gpu
 @pytest.mark.parametrize("case", [Case(N=97), Case(N=4097, Hq=32, Hk=8, mask="bool_kv"),
                                   Case(N=1025, sinks=True, dtype="bfloat16")],
