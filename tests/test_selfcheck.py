@@ -76,3 +76,18 @@ def test_gpu_backend_uses_metal_only_after_the_check(monkeypatch, device, passes
 def test_the_kernels_of_this_backend_pass():
     """No false alarm: the real kernels pass the check that gates Metal's."""
     assert selfcheck.check_attention(selfcheck.decode_attention) is None
+
+
+def test_its_error_is_the_kernel_checks_rel_err():
+    """selfcheck._rel_err is testing.rel_err (numpy, tests and scripts) in mx ops."""
+    import numpy as np
+
+    from mlx_h2o.kernels.testing import rel_err
+
+    ref = mx.random.normal((2, 3, 40))
+    ref = mx.where(mx.random.uniform(shape=ref.shape) < 0.2, -mx.inf, ref)
+    close = ref + 1e-5 * mx.random.normal(ref.shape)
+    flipped = mx.where(mx.isinf(ref), mx.inf, close)  # +inf where the reference has -inf
+    for got in (ref, close, flipped, close * float("nan"), mx.zeros_like(ref)):
+        want = rel_err(np.array(got, np.float64), np.array(ref, np.float64))
+        assert selfcheck._rel_err(got, ref) == pytest.approx(want, rel=1e-4)

@@ -120,11 +120,14 @@ class MixedKV:
         """The widths of what ``fetch(n)`` returns, one per non-empty zone."""
         return tuple(zone.bits for zone, _ in self._zones(n))
 
+    def _fetched_bits(self, keys) -> tuple:
+        """``segment_bits`` of fetched zones' key triples."""
+        return self.segment_bits(sum(k[0].shape[2] for k in keys))
+
     def dense(self, keys, values, dtype):
         """Fetched zones' K / V dequantized in ``dtype`` and joined (see
         QuantizedKV.dense)."""
-        bits = self.segment_bits(sum(k[0].shape[2] for k in keys))
-        gs = self.hi.group_size
+        bits, gs = self._fetched_bits(keys), self.hi.group_size
         return tuple(dequantize_segments(t, bits, gs, dtype) for t in (keys, values))
 
     def attention(self, queries, keys, values, *, scale, mask, sinks):
@@ -133,7 +136,7 @@ class MixedKV:
             keys,
             values,
             scale=scale,
-            bits=self.segment_bits(sum(k[0].shape[2] for k in keys)),
+            bits=self._fetched_bits(keys),
             group_size=self.hi.group_size,
             mask=mask,
             sinks=sinks,

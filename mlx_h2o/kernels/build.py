@@ -165,7 +165,8 @@ def _make_pass1_kernel(mask: str, sinks: bool, split: bool, fused: bool):
 
 @lru_cache(maxsize=None)
 def _make_pass2_kernel(sinks: bool, fused: bool):
-    """Pass-2 (split merge, optional H2O fold) kernel, or None without a GPU."""
+    """Pass-2 (split merge, optional H2O fold) kernel, or None without a GPU.
+    Built for ``device_backend()``, as pass 1."""
     backend = device_backend()
     if backend is None:
         return None
