@@ -6,7 +6,9 @@ B=1, 32 query / 8 KV heads, Lq=1. Each timing is a chain of --chain calls
 (each call's output is the next call's query), evaluated once; the median of
 --repeats chains, ours and MLX's interleaved. K/V sets rotate so the working
 set exceeds L2, as with one cache per layer. Prints the ratio to MLX and the
-achieved K+V bandwidth against a measured device copy; a final JSON line.
+achieved K+V bandwidth against a measured device copy, and splits each call
+into host (building the graph) and eval (the rest: MLX's dispatch and the
+GPU); a final JSON line.
 --tune times every split count; --step times a whole H2O decode-layer step;
 --plain turns off the compiled replay of repeated calls.
 """
@@ -156,7 +158,8 @@ def main():
           f"plain={args.plain}")
     print(f"copy bandwidth (read+write): {bw / 1e9:.0f} GB/s")
     print(f"{'D':>4s} {'N':>6s} {'ours us':>8s} {'mlx us':>8s} {'ratio':>6s} "
-          f"{'GB/s':>6s} {'floor us':>8s} {'x floor':>7s} {'host us o/m':>11s}")
+          f"{'GB/s':>6s} {'floor us':>8s} {'x floor':>7s} {'host us o/m':>11s} "
+          f"{'eval us o/m':>11s}")
     rows = []
     for D in args.dims:
         for N in args.ns:
@@ -173,8 +176,9 @@ def main():
             rows.append(row)
             print(f"{D:4d} {N:6d} {row['ours_us']:8.1f} {row['mlx_us']:8.1f} "
                   f"{row['ratio']:6.2f} {row['gbps']:6.0f} {row['floor_us']:8.1f} "
-                  f"{row['x_floor']:7.2f} {row['host_ours_us']:5.1f}/{row['host_mlx_us']:<5.1f}",
-                  flush=True)
+                  f"{row['x_floor']:7.2f} {row['host_ours_us']:5.1f}/{row['host_mlx_us']:<5.1f} "
+                  f"{row['ours_us'] - row['host_ours_us']:5.1f}/"
+                  f"{row['mlx_us'] - row['host_mlx_us']:<5.1f}", flush=True)
             if args.tune:
                 for S in (1, 2, 4, 8, 16, 32, 64, 128, 256):
                     o, _, _ = attention_chains(N, D, dtype, splits=S)

@@ -153,21 +153,27 @@ def test_kernel_matches_float64(case):
 def test_repeated_compiles_a_signature_seen_before():
     from mlx_h2o.kernels.decode import Repeated
 
-    traced = []
+    traced, made = [], []
 
     def launch(x):
         traced.append(x.shape)
         return x * 2
 
+    def make():
+        made.append(1)
+        return launch
+
     rep = Repeated(size=2)
-    assert rep.get("a", launch) is None  # first call: plain
-    fn = rep.get("a", launch)
-    assert fn is not None and rep.get("a", launch) is fn
+    assert rep.get("a", make) is None and not made  # first call: plain, no plan made
+    fn = rep.get("a", make)
+    assert fn is not None and rep.get("a", make) is fn and len(made) == 1
     x = mx.arange(3)
     assert mx.array_equal(fn(x), x * 2) and mx.array_equal(fn(x + 1), (x + 1) * 2)
     assert traced == [(3,)]  # traced once, replayed after
-    assert rep.get("b", launch) is None and rep.get("c", launch) is None
-    assert rep.get("a", launch) is None  # dropped: only the newest two are kept
+    assert rep.get("b", make) is None  # "a" was used last: "b" pushes nothing out
+    assert rep.get("a", make) is fn
+    assert rep.get("c", make) is None  # now "b" is the oldest and goes
+    assert rep.get("a", make) is fn and rep.get("b", make) is None
 
 
 class FakeKernel:

@@ -280,10 +280,18 @@ def test_per_layer_cache_round_trips_and_stats(tmp_path, monkeypatch):
     assert [c.max_size for c in loaded] == sizes
     assert [c.config for c in loaded] == [c.config for c in cache]
     assert [c.window_size for c in loaded] == [16, 16, None]
-    nxt = mx.array([[5]])
-    a = run(model, cache, nxt, 1)
-    b = run(model, loaded, nxt, 1)
-    assert mx.array_equal(a, b)
+    nxt = mx.array([[5, 9, 2]])
+    a = run(model, cache, nxt, 3)
+    b = run(model, loaded, nxt, 3)
+    # Same decisions; the same floats on the CPU. On a GPU the live caches
+    # step as a StepGroup (MLX's SDPA + one fold launch) and the loaded ones
+    # per layer (the fused kernel): float32 summation order differs (H200).
+    for c, d in zip(cache, loaded):
+        assert (c.offset, c.evicted, c.size()) == (d.offset, d.evicted, d.size())
+        n = c.size()
+        assert mx.array_equal(c.positions[..., :n], d.positions[..., :n])
+    tol = 0 if mx.default_device() == mx.cpu else 1e-5
+    np.testing.assert_allclose(np.array(a), np.array(b), rtol=tol, atol=tol)
 
 
 def test_profile_path_in_the_package_data():

@@ -129,16 +129,18 @@ class Repeated:
         self.size = size
         self._seen = OrderedDict()  # signature -> compiled launch, or None once seen
 
-    def get(self, signature, launch):
-        """The compiled ``launch`` if ``signature`` was seen before, else None."""
-        fn = self._seen.pop(signature, _NEW)
+    def get(self, signature, make):
+        """The compiled launch ``make()`` gives if ``signature`` was seen
+        before, else None (``make`` runs only when a launch is compiled)."""
+        fn = self._seen.get(signature, _NEW)
         if fn is _NEW:
-            fn = None
-        elif fn is None:
-            fn = mx.compile(launch)
-        self._seen[signature] = fn
-        if len(self._seen) > self.size:
-            self._seen.popitem(last=False)
+            self._seen[signature] = None
+            if len(self._seen) > self.size:
+                self._seen.popitem(last=False)
+            return None
+        if fn is None:
+            fn = self._seen[signature] = mx.compile(make())
+        self._seen.move_to_end(signature)
         return fn
 
 
@@ -164,24 +166,29 @@ def decode_attention(
     A repeated call (same shapes, dtypes, mask kind and splits) replays a
     compiled launch; K / V strides are read when the kernel runs.
     """
-    B, Hq, L, D = q.shape
-    Hk, N = k.shape[1], k.shape[2]
-    G = Hq // Hk
-    lay = layout(D, q.dtype.size, G, L, KEYS_PER_LANE_GROUP)
-    kind, mh = mask_mode(mask, B, Hq, Hk, L, N)
-    S = num_splits or choose_splits(N, B * Hk * lay.RT, lay.tile, D)
-    S = max(1, min(S, MAX_SPLITS))
     arrays = [q, k, v, params_f(float(scale))]
-    arrays += [mask] if kind in ("bool", "add") else []
+    arrays += [mask] if isinstance(mask, mx.array) else []
     arrays += [sinks] if sinks is not None else []
-    launch = partial(_launch, lay=lay, kind=kind, mh=mh, S=S, has_sinks=sinks is not None)
     if poison is None:
-        signature = (kind, mh, S, sinks is not None, KEYS_PER_LANE_GROUP) + tuple(
+        # Shapes, dtypes and flags fix the launch: the plan is made only to compile it.
+        signature = (mask if isinstance(mask, str) else mask is None, sinks is None,
+                     num_splits, KEYS_PER_LANE_GROUP) + tuple(
             (a.shape, a.dtype) for a in arrays)
-        fn = _REPEATED.get(signature, launch)
+        fn = _REPEATED.get(signature, lambda: _plan(q, k, mask, sinks, num_splits))
         if fn is not None:
             return tuple(fn(*arrays))
-    return launch(*arrays, poison=poison)
+    return _plan(q, k, mask, sinks, num_splits)(*arrays, poison=poison)
+
+
+def _plan(q, k, mask, sinks, num_splits):
+    """``_launch`` bound to the layout, mask kind and split count of a call."""
+    B, Hq, L, D = q.shape
+    Hk, N = k.shape[1], k.shape[2]
+    lay = layout(D, q.dtype.size, Hq // Hk, L, KEYS_PER_LANE_GROUP)
+    kind, mh = mask_mode(mask, B, Hq, Hk, L, N)
+    S = num_splits or choose_splits(N, B * Hk * lay.RT, lay.tile, D)
+    return partial(_launch, lay=lay, kind=kind, mh=mh, S=max(1, min(S, MAX_SPLITS)),
+                   has_sinks=sinks is not None)
 
 
 def _launch(q, k, v, prm_f, *extra, lay, kind, mh, S, has_sinks, poison=None):
