@@ -269,3 +269,31 @@ def test_mixed_precision_caches_stay_per_layer():
     caches = [qt(c) for c in configs(sizes=(24, 24))]
     assert caches[0].group_steps  # yet no group: an eviction moves tokens between zones
     assert make_groups(caches, size=2, use_kernel=False) == []
+
+
+def test_loaded_caches_are_linked_as_made(tmp_path, monkeypatch):
+    """load_prompt_cache sets up what make_h2o_cache does beside the state:
+    the layers' fold phases and (GPU: forced here) step groups; decoding on
+    from the file then matches decoding on from the live caches."""
+    from mlx_h2o.cache import group, load_prompt_cache, save_prompt_cache
+
+    monkeypatch.setattr(group, "max_layers", lambda: 2)  # as if a GPU took 2 a launch
+    model = tiny_llama(num_hidden_layers=5)
+    cfg = H2OConfig(max_size=16, sink_size=2)
+    live = make_h2o_cache(model, cfg, layer_budget="uniform")
+    tokens = mx.array(np.random.default_rng(3).integers(0, VOCAB, (1, 30)))
+    teacher_forced(model, live, tokens, prefill=8)
+    file = str(tmp_path / "c.safetensors")
+    save_prompt_cache(file, live)
+    loaded = load_prompt_cache(file)
+    fresh = make_h2o_cache(model, cfg, layer_budget="uniform")
+    phases = [c._queue._head_start for c in loaded]
+    assert phases == [c._queue._head_start for c in fresh] and len(set(phases)) > 1
+    sizes = lambda cs: sorted(len(g.members) for g in {id(c._group): c._group for c in cs}.values())  # noqa: E731
+    assert sizes(loaded) == sizes(live) == [1, 2, 2]
+    nxt = mx.array(np.random.default_rng(4).integers(0, VOCAB, (1, 12)))
+    a = teacher_forced(model, live, nxt, prefill=1)
+    b = teacher_forced(model, loaded, nxt, prefill=1)
+    np.testing.assert_array_equal(np.array(a), np.array(b))
+    for x, y in zip(live, loaded):
+        assert_same(y, x)

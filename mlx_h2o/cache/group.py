@@ -220,6 +220,16 @@ def _quant(kind):
     return (kind[1], kind[2]) if kind[0] == "quantized" else (None, 64)
 
 
+def link_layers(caches) -> List[StepGroup]:
+    """What a model's H2O caches share beside their state, set up as
+    ``make_h2o_cache`` does (and ``load_prompt_cache`` again): score folds
+    staggered over the layers, and on a GPU step groups (one fold launch a
+    token). Both change when work runs, not what it computes."""
+    for j, c in enumerate(caches):
+        c.set_fold_phase(len(caches) - 1 - j)
+    return make_groups(caches)
+
+
 def make_groups(caches, size: Optional[int] = None, use_kernel=None) -> List[StepGroup]:
     """Group the caches that can take group steps: same score mode and pins
     (the kernel's constants), at most ``size`` a group (default ``max_layers()``:

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
+from .group import link_layers
 from .h2o import H2OKVCache
 
 FORMAT = "mlx-h2o-cache/1"
@@ -75,6 +76,8 @@ def load_prompt_cache(file: str, return_metadata: bool = False):
         metadata = json.loads(header["metadata"])
     except (KeyError, ValueError, TypeError) as e:
         raise ValueError(f"{file} is a corrupt mlx-h2o cache file ({e})") from e
+    # As make_h2o_cache left them: a loaded cache decodes as fast (GPU groups).
+    link_layers([c for c in cache if hasattr(c, "set_fold_phase")])
     return (cache, metadata) if return_metadata else cache
 
 

@@ -9,7 +9,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from .. import budgets
 from ..cache import H2OKVCache
-from ..cache.group import make_groups
+from ..cache.group import link_layers
 from ..config import H2OConfig, with_max_size
 from ..profiles import LayerProfile, load_profile, packaged_name, shipped_profile
 
@@ -78,11 +78,10 @@ def make_h2o_cache(
             layer_sizes = profile_layer_sizes(profile, config, windows)
             origin = f"layer profile {profile.name}"
     cfgs = layer_configs(config, layer_sizes, len(layers), origin)
-    for j, (i, cfg, window) in enumerate(zip(layers, cfgs, windows)):
+    for i, cfg, window in zip(layers, cfgs, windows):
         caches[i] = cache_type(cfg, window_size=window)
         caches[i].model_name = name
-        caches[i].set_fold_phase(len(layers) - 1 - j)  # layers fold apart
-    make_groups([caches[i] for i in layers])  # GPU: one fold launch per token
+    link_layers([caches[i] for i in layers])  # folds apart; GPU: one fold launch a token
     return caches
 
 
