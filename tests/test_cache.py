@@ -144,7 +144,11 @@ def test_save_load_round_trip(tmp_path):
         for x, y in zip(a.state, b.state):
             np.testing.assert_array_equal(np.array(x), np.array(y))
     outs = [step(c, 1, np.random.default_rng(9)) for c in (cache[0], loaded[0])]
-    np.testing.assert_array_equal(np.array(outs[0]), np.array(outs[1]))
+    np.testing.assert_array_equal(kept_positions(cache[0]), kept_positions(loaded[0]))
+    # A GPU steps loaded caches in a StepGroup (MLX's SDPA), these built ones
+    # per layer (the fused kernel): float32 rounding apart (H200, 1e-5).
+    tol = 0 if mx.default_device() == mx.cpu else 1e-4
+    np.testing.assert_allclose(np.array(outs[0]), np.array(outs[1]), rtol=tol, atol=tol)
     assert not list(tmp_path.glob(".tmp-*")), "no temporary file left behind"
 
 
