@@ -14,6 +14,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 
 import mlx.core as mx
@@ -23,7 +24,9 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 import mlx_h2o
 from mlx_h2o import H2OConfig, H2OKVCache, make_h2o_cache
-from mlx_h2o.cache import QuantConfig, quantized_cache_type
+from mlx_h2o.cache import (
+    QuantConfig, load_prompt_cache, quantized_cache_type, save_prompt_cache,
+)
 from mlx_h2o.eval.bench import random_model
 
 
@@ -133,6 +136,17 @@ def per_layer(cfg, model):
     return without_groups(make_h2o_cache(model, cfg))
 
 
+def loaded(cfg, model):
+    """Caches read back by load_prompt_cache after a short evicting prompt
+    (decode then goes on as for the others: the bench prefills its context)."""
+    cache = make_h2o_cache(model, cfg)
+    with mlx_h2o.patch():
+        mx.eval(model(mx.random.randint(0, 1000, (1, cfg.max_size + 64)), cache=cache))
+    with tempfile.TemporaryDirectory() as d:
+        save_prompt_cache(f"{d}/c.safetensors", cache)
+        return load_prompt_cache(f"{d}/c.safetensors")
+
+
 def views(cfg, model):
     cache = make_h2o_cache(model, cfg)
     for c in cache:
@@ -160,6 +174,8 @@ def bench(model, context, budgets, steps, rounds, variants):
             strategies[f"h2o_evict_{b}_unfused"] = lambda e=evict: unfused(e, model)
         if "perlayer" in variants:
             strategies[f"h2o_evict_{b}_perlayer"] = lambda e=evict: per_layer(e, model)
+        if "loaded" in variants:
+            strategies[f"h2o_evict_{b}_loaded"] = lambda e=evict: loaded(e, model)
         if "views" in variants:
             strategies[f"h2o_evict_{b}_views"] = lambda e=evict: views(e, model)
         if "quantized" in variants:
@@ -205,9 +221,10 @@ def main():
     p.add_argument("--steps", type=int, default=32, help="decode steps per round")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--variants", nargs="*", default=[],
-                   choices=["unfused", "views", "quantized", "eager", "perlayer"],
+                   choices=["unfused", "views", "quantized", "eager", "perlayer", "loaded"],
                    help="also time the op-by-op path / the fused step on fetched views / "
-                        "8- and 4-bit H2O caches / no eviction folding every step")
+                        "8- and 4-bit H2O caches / no eviction folding every step / "
+                        "per-layer steps (no StepGroup) / caches from load_prompt_cache")
     p.add_argument("--no-bench", action="store_true")
     p.add_argument("--no-check", action="store_true")
     args = p.parse_args()
