@@ -142,10 +142,13 @@ def main():
     p.add_argument("--tune", action="store_true", help="time each split count")
     p.add_argument("--step", action="store_true", help="also time a whole layer step")
     p.add_argument("--keys-per-group", type=int, default=0, help="U (0: automatic)")
+    p.add_argument("--lanes-per-key", type=int, default=0, choices=[0, 16, 32],
+                   help="TPK (0: automatic)")
     p.add_argument("--plain", action="store_true",
                    help="never replay a compiled launch (every call rebuilds it)")
     args = p.parse_args()
     decode.KEYS_PER_LANE_GROUP = args.keys_per_group
+    decode.LANES_PER_KEY = args.lanes_per_key
     if args.plain:
         decode._REPEATED = decode.Repeated(size=0)
     if gpu_backend() is None:
@@ -155,7 +158,7 @@ def main():
     bw = copy_bandwidth(args.repeats)
     print(f"backend={gpu_backend()} mlx={mx.__version__} dtype={args.dtype} B={B} "
           f"heads={HQ}/{HK} chain={args.chain} repeats={args.repeats} U={args.keys_per_group} "
-          f"plain={args.plain}")
+          f"TPK={args.lanes_per_key} plain={args.plain}")
     print(f"copy bandwidth (read+write): {bw / 1e9:.0f} GB/s")
     print(f"{'D':>4s} {'N':>6s} {'ours us':>8s} {'mlx us':>8s} {'ratio':>6s} "
           f"{'GB/s':>6s} {'floor us':>8s} {'x floor':>7s} {'host us o/m':>11s} "

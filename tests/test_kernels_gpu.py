@@ -55,12 +55,15 @@ def test_inputs_match_body(mask, split, fused):
 @pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("itemsize", [2, 4])
 @pytest.mark.parametrize("G,L", [(1, 1), (4, 1), (7, 1), (8, 8), (16, 1), (4, 3)])
-def test_layout(D, itemsize, G, L):
-    lay = layout(D, itemsize, G, L)
-    assert lay.EPL in (2, 4, 8) and D % lay.EPL == 0 and 32 * lay.EPL >= D
-    assert lay.TPK == 32 and lay.tile == 4 * lay.U
+@pytest.mark.parametrize("tpk", [0, 16])
+def test_layout(D, itemsize, G, L, tpk):
+    lay = layout(D, itemsize, G, L, 0, tpk)
+    # 16 lanes a key row where the row fits them (two rows a warp read), else 32
+    assert lay.TPK == (16 if tpk == 16 and D <= 128 else 32)
+    assert lay.EPL in (2, 4, 8) and D % lay.EPL == 0 and lay.TPK * lay.EPL >= D
+    assert lay.tile == 4 * lay.U * (32 // lay.TPK)  # keys per block iteration
     rp = 1 << (lay.R - 1).bit_length()
-    assert rp * lay.U <= 32 and lay.U in (4, 8)  # one (row, key) per lane or fewer
+    assert rp * lay.U <= lay.TPK and lay.U in (2, 4, 8)  # one (row, key) per lane or fewer
     assert lay.R <= 8 and lay.R * lay.RT == G * L
 
 
@@ -71,6 +74,18 @@ def test_choose_splits():
     assert choose_splits(32768, 512, 64) == 1  # enough blocks already
     # D > 128: half the blocks (register-bound residency, docs/GPU.md)
     assert choose_splits(32768, 8, 32, 128) == 64 and choose_splits(32768, 8, 32, 256) == 32
+
+
+def test_lanes_per_key(monkeypatch):
+    from mlx_h2o.kernels import decode
+    from mlx_h2o.kernels.decode import lanes_per_key
+
+    monkeypatch.setattr(decode, "device_backend", lambda: "metal")
+    assert lanes_per_key(64, 32768) == 32  # the Metal twin keeps one row a warp read
+    monkeypatch.setattr(decode, "device_backend", lambda: "cuda")
+    assert [lanes_per_key(64, n) for n in (1, 4096, 32768)] == [16, 16, 16]
+    assert [lanes_per_key(128, n) for n in (4096, 8191, 8192, 32768)] == [32, 32, 16, 16]
+    assert {lanes_per_key(d, 32768) for d in (80, 96, 256)} == {32}  # not measured / no fit
 
 
 def test_mask_mode():
@@ -134,13 +149,18 @@ GPU_CASES = [
     Case(N=257, L=4, mask="bool_kv", sinks=True, B=2), Case(N=257, L=2, mask="add_q"),
     Case(N=257, L=4, mask="bool_row"), Case(N=1025, view="slice", B=2),
     Case(N=257, view="strided", dtype="float32"), Case(N=2000, splits=1),
+    Case(N=9001, D=64, dtype="bfloat16", mask="bool_kv"), Case(N=8193, Hq=32, Hk=8, sinks=True),
 ]
 
 
 @needs_gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.label())
-def test_kernel_matches_float64(case):
+@pytest.mark.parametrize("tpk", [0, 32, 16])
+def test_kernel_matches_float64(monkeypatch, case, tpk):
+    from mlx_h2o.kernels import decode
     from mlx_h2o.kernels.decode import decode_attention
+
+    monkeypatch.setattr(decode, "LANES_PER_KEY", tpk)  # 0: lanes_per_key(D, N)
 
     def fn(q, k, v, scale, mask, sinks):
         return decode_attention(q, k, v, scale=scale, mask=mask, sinks=sinks,

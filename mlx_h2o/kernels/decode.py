@@ -7,10 +7,11 @@ from typing import Optional, Tuple, Union
 
 import mlx.core as mx
 
-from .build import _make_pass1_kernel, _make_pass2_kernel, gpu_backend
+from .build import _make_pass1_kernel, _make_pass2_kernel, device_backend, gpu_backend
 
 NT = 128  # threads per block (source.NT)
-KEYS_PER_LANE_GROUP = 0  # U, keys per warp iteration; 0: min(8, 32 / padded R)
+KEYS_PER_LANE_GROUP = 0  # U, keys per warp iteration; 0: min(8, TPK / padded R)
+LANES_PER_KEY = 0  # TPK, 32 or 16 (two key rows a warp read); 0: lanes_per_key()
 MAX_ROWS = 8  # query rows per block: registers hold R * EPL floats twice
 MAX_SPLITS = 256  # more never measured faster (docs/GPU.md, "--tune")
 TARGET_BLOCKS = 512  # ~4 blocks per SM on a 132-SM H100
@@ -27,7 +28,7 @@ class Layout:
 
     R: int  # query rows per block (divides G * L)
     RT: int  # row tiles per KV head
-    TPK: int  # lanes per key (a warp)
+    TPK: int  # lanes per key row: 32, or 16 (a warp reads two rows at once)
     EPL: int  # elements per lane
     U: int  # keys each warp loads per iteration
     tile: int  # keys per block iteration (splits are multiples of it)
@@ -40,15 +41,29 @@ class Layout:
 
 
 @lru_cache(maxsize=None)
-def layout(D: int, itemsize: int, G: int, L: int, U: int = 0) -> Layout:
-    # A warp reads one key row: each lane a slice of EPL = 2, 4 or 8 elements.
-    epl = next(e for e in (2, 4, 8) if 32 * e >= D and D % e == 0)
+def layout(D: int, itemsize: int, G: int, L: int, U: int = 0, TPK: int = 0) -> Layout:
+    # TPK lanes read one key row: each lane a slice of EPL = 2, 4 or 8 elements.
+    tpk = TPK or 32
+    if not any(tpk * e >= D and D % e == 0 for e in (2, 4, 8)):
+        tpk = 32  # the row does not fit 16 lanes
+    epl = next(e for e in (2, 4, 8) if tpk * e >= D and D % e == 0)
     rows = G * L
     R = max(r for r in range(1, MAX_ROWS + 1) if rows % r == 0)
     rp = 1 << (R - 1).bit_length()  # rows padded to a power of two
-    # R x U logits per warp iteration are spread over the 32 lanes.
-    U = U or min(8, 32 // rp)
-    return Layout(R=R, RT=rows // R, TPK=32, EPL=epl, U=U, tile=(NT // 32) * U)
+    # R x U logits per key-row group iteration are spread over its TPK lanes.
+    U = U or min(8, tpk // rp)
+    return Layout(R=R, RT=rows // R, TPK=tpk, EPL=epl, U=U, tile=(NT // 32) * U * (32 // tpk))
+
+
+def lanes_per_key(D: int, N: int) -> int:
+    """16 lanes a key row (a warp reads two rows at once: half the warp
+    shuffles per logit, wider loads) where it measured faster on an H200:
+    D=64 at every N, D=128 from 8K keys (its 168 registers cost more than
+    they save below that); else, and on Metal (never run), 32.
+    docs/GPU.md, session 16."""
+    if device_backend() != "cuda":
+        return 32
+    return 16 if D == 64 or (D == 128 and N >= 8192) else 32
 
 
 def choose_splits(N: int, units: int, tile: int, D: int = 128) -> int:
@@ -172,7 +187,7 @@ def decode_attention(
     if poison is None:
         # Shapes, dtypes and flags fix the launch: the plan is made only to compile it.
         signature = (mask if isinstance(mask, str) else mask is None, sinks is None,
-                     num_splits, KEYS_PER_LANE_GROUP) + tuple(
+                     num_splits, KEYS_PER_LANE_GROUP, LANES_PER_KEY) + tuple(
             (a.shape, a.dtype) for a in arrays)
         fn = _REPEATED.get(signature, lambda: _plan(q, k, mask, sinks, num_splits))
         if fn is not None:
@@ -184,7 +199,8 @@ def _plan(q, k, mask, sinks, num_splits):
     """``_launch`` bound to the layout, mask kind and split count of a call."""
     B, Hq, L, D = q.shape
     Hk, N = k.shape[1], k.shape[2]
-    lay = layout(D, q.dtype.size, Hq // Hk, L, KEYS_PER_LANE_GROUP)
+    tpk = LANES_PER_KEY or lanes_per_key(D, N)
+    lay = layout(D, q.dtype.size, Hq // Hk, L, KEYS_PER_LANE_GROUP, tpk)
     kind, mh = mask_mode(mask, B, Hq, Hk, L, N)
     S = num_splits or choose_splits(N, B * Hk * lay.RT, lay.tile, D)
     return partial(_launch, lay=lay, kind=kind, mh=mh, S=max(1, min(S, MAX_SPLITS)),

@@ -80,6 +80,7 @@ class StepPlan:
     def __init__(self, B, Hq, Hk, D, dtype, cap, kind, mh, mode, alpha, scale,
                  sink_size, recent_budget, pinned, window_size, has_sinks):
         G = Hq // Hk
+        # 32 lanes a key row: decode_attention's 16-lane rows were not run fused
         lay = layout(D, dtype.size, G, 1, decode.KEYS_PER_LANE_GROUP)
         self.shape = (B, Hq, Hk, D, G)
         self.lay, self.units, self.kind, self.has_sinks = lay, B * Hk * lay.RT, kind, has_sinks

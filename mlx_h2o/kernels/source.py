@@ -12,8 +12,9 @@ pass 2.
 
 Template constants (set per call): T dtype; D head dim; R rows per block;
 L queries per head; G query heads per KV head; HK KV heads; TPK lanes per
-key (32); EPL elements per lane; U keys per warp iteration; MH mask head mode
-(0 broadcast, 1 per query head, 2 per KV head); MODE score mode (0 ema,
+key row (32, or 16: a warp reads two rows at once); EPL elements per lane;
+U key rows per lane group iteration; MH mask head mode (0 broadcast, 1 per
+query head, 2 per KV head); MODE score mode (0 ema,
 1 accumulated, 2 normalized, 3 attention_ema). Blocks have NT = 128 threads.
 """
 
@@ -221,22 +222,25 @@ FUSED_KPOS = "const int kpos = key == w ? Q : pos_in[pbase + key * pst];"
 PASS1 = r"""
 $IDS
   constexpr int NT = 128;
-  constexpr int NG = NT / 32;       // warps; a warp reads one key row at a time
-  constexpr int STEP = NG * U;      // keys per block iteration
+  constexpr int NG = NT / 32;       // warps
+  constexpr int KPR = 32 / TPK;     // key rows a warp reads at once: TPK lanes a row
+  constexpr int STEP = NG * U * KPR;  // keys per block iteration
   constexpr int RT = G * L / R;     // row tiles per KV head
-  // The R x U logits of a warp iteration are reduced across the warp so that
-  // each lane ends with one (row, key) of them: lane >> SH is its index.
+  // The R x U logits of a key group's iteration are reduced across its TPK
+  // lanes so that each lane ends with one (row, key): li >> SH is its index.
   constexpr int RP = R <= 1 ? 1 : (R <= 2 ? 2 : (R <= 4 ? 4 : 8));
   constexpr int V = RP * U;
-  constexpr int SH = V >= 32 ? 0 : (V >= 16 ? 1 : (V >= 8 ? 2 : (V >= 4 ? 3 : 4)));
+  constexpr int LT = TPK == 32 ? 5 : 4;  // log2 TPK
+  constexpr int SH = LT - (V >= 32 ? 5 : (V >= 16 ? 4 : (V >= 8 ? 3 : (V >= 4 ? 2 : 1))));
   constexpr int LOGU = U >= 8 ? 3 : (U >= 4 ? 2 : (U >= 2 ? 1 : 0));
 
   const int grp = warp;
-  const int li = lane;
+  const int li = lane % TPK;  // lane in its key group
+  const int kg = lane / TPK;  // key group: reads keys base + u * KPR + kg
   const bool lane_on = li * EPL < D;
-  const int my_r = (lane >> SH) / U;  // the (row, key) this lane owns after a reduction
-  const int my_u = (lane >> SH) % U;
-  const bool owner = (lane & ((1 << SH) - 1)) == 0;  // first of its replicas
+  const int my_r = (li >> SH) / U;  // the (row, key) this lane owns after a reduction
+  const int my_u = (li >> SH) % U;
+  const bool owner = (li & ((1 << SH) - 1)) == 0;  // first of its replicas
   const int unit = blk_x;
   const int rt = unit % RT;
   const int b = unit / (RT * HK);
@@ -294,13 +298,13 @@ $SINK_INIT
     for (int e = 0; e < EPL; ++e) acc[r][e] = 0.0f;
   }
 
-  for (int base = n0 + grp * U; base < n1; base += STEP) {
+  for (int base = n0 + grp * U * KPR; base < n1; base += STEP) {
     // K and V rows of this iteration go out together: one memory round trip.
     H2ORaw<T, EPL> kr[U];
     H2ORaw<T, EPL> vr[U];
     H2O_UNROLL
     for (int u = 0; u < U; ++u) {
-      const int key = base + u;
+      const int key = base + u * KPR + kg;
       if (key < n1 && lane_on) {
         h2o_fetch<EPL>(k + kbase + key * ks, k_strides[3], kvec, kr[u]);
         h2o_fetch<EPL>(v + vbase + key * vs, v_strides[3], vvec, vr[u]);
@@ -309,7 +313,7 @@ $SINK_INIT
         h2o_zero<EPL>(vr[u]);
       }
     }
-    // Partial dots of this lane's slice, then a reduce-scatter over the warp.
+    // Partial dots of this lane's slice, then a reduce-scatter over the key group.
     float x[V];
     H2O_UNROLL
     for (int u = 0; u < U; ++u) {
@@ -325,12 +329,14 @@ $SINK_INIT
         x[r * U + u] = s;
       }
     }
-    H2O_RS(16, V / 2);
-    H2O_RS(8, V / 4);
-    H2O_RS(4, V / 8);
-    H2O_RS(2, V / 16);
-    H2O_RS(1, V / 32);
-    const int key = base + my_u;
+    if (TPK == 32) {
+      H2O_RS(16, V / 2);
+    }
+    H2O_RS(8, V >> (LT - 3));
+    H2O_RS(4, V >> (LT - 2));
+    H2O_RS(2, V >> (LT - 1));
+    H2O_RS(1, V >> LT);
+    const int key = base + my_u * KPR + kg;
     const int r = my_r;
     float x_ = -H2O_INF;
     if (key < n1 && r < R) {
@@ -341,10 +347,13 @@ $MASK_APPLY
         logits[((i64)(b * HK * G + H2O_ROW_HQ(r)) * L + H2O_ROW_L(r)) * NS + key] = x_;
       }
     }
-    // Online softmax of the row over its U keys (lanes that differ in the key bits).
+    // Online softmax of the row over its U * KPR keys (lanes that differ in
+    // the key bits, then in the key group).
     float mx = x_;
     H2O_UNROLL
     for (int j = 0; j < LOGU; ++j) mx = H2O_FMAX(mx, H2O_SHFL_XOR(mx, 1 << (SH + j)));
+    H2O_UNROLL
+    for (int j = LT; j < 5; ++j) mx = H2O_FMAX(mx, H2O_SHFL_XOR(mx, 1 << j));
     const float m_new = H2O_FMAX(m_run, mx);
     const float shift = m_new == -H2O_INF ? 0.0f : m_new;
     const float alpha = m_run == -H2O_INF ? 0.0f : H2O_EXP(m_run - m_new);
@@ -352,6 +361,8 @@ $MASK_APPLY
     float ps = p;
     H2O_UNROLL
     for (int j = 0; j < LOGU; ++j) ps += H2O_SHFL_XOR(ps, 1 << (SH + j));
+    H2O_UNROLL
+    for (int j = LT; j < 5; ++j) ps += H2O_SHFL_XOR(ps, 1 << j);
     l_run = l_run * alpha + ps;
     m_run = m_new;
     // Every lane needs every row's alpha and p for its slice of acc.
@@ -367,15 +378,24 @@ $MASK_APPLY
       h2o_cvt<EPL>(vr[u], vf);
       H2O_UNROLL
       for (int rr = 0; rr < R; ++rr) {
-        const float pr = H2O_SHFL(p, (rr * U + u) << SH);
+        const float pr = H2O_SHFL(p, kg * TPK + ((rr * U + u) << SH));
         H2O_UNROLL
         for (int e = 0; e < EPL; ++e) acc[rr][e] += pr * vf[e];
       }
     }
   }
 
+  // Key groups hold sums over their own keys of the same slice: add them.
+  H2O_UNROLL
+  for (int j = LT; j < 5; ++j) {
+    H2O_UNROLL
+    for (int r = 0; r < R; ++r) {
+      H2O_UNROLL
+      for (int e = 0; e < EPL; ++e) acc[r][e] += H2O_SHFL_XOR(acc[r][e], 1 << j);
+    }
+  }
   // Merge the warps: row max over warps, each warp's sum rescaled to it.
-  if (owner && my_u == 0 && my_r < R) {
+  if (owner && my_u == 0 && my_r < R && kg == 0) {
     gm_s[grp * R + my_r] = m_run;
     gl_s[grp * R + my_r] = l_run;
   }
