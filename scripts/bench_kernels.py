@@ -142,7 +142,7 @@ def main():
     p.add_argument("--tune", action="store_true", help="time each split count")
     p.add_argument("--step", action="store_true", help="also time a whole layer step")
     p.add_argument("--keys-per-group", type=int, default=0, help="U (0: automatic)")
-    p.add_argument("--lanes-per-key", type=int, default=0, choices=[0, 16, 32],
+    p.add_argument("--lanes-per-key", type=int, default=0, choices=[0, 8, 16, 32],
                    help="TPK (0: automatic)")
     p.add_argument("--plain", action="store_true",
                    help="never replay a compiled launch (every call rebuilds it)")

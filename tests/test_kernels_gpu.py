@@ -55,15 +55,15 @@ def test_inputs_match_body(mask, split, fused):
 @pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("itemsize", [2, 4])
 @pytest.mark.parametrize("G,L", [(1, 1), (4, 1), (7, 1), (8, 8), (16, 1), (4, 3)])
-@pytest.mark.parametrize("tpk", [0, 16])
+@pytest.mark.parametrize("tpk", [0, 16, 8])
 def test_layout(D, itemsize, G, L, tpk):
     lay = layout(D, itemsize, G, L, 0, tpk)
-    # 16 lanes a key row where the row fits them (two rows a warp read), else 32
-    assert lay.TPK == (16 if tpk == 16 and D <= 128 else 32)
+    # TPK lanes a key row where the row fits them (32 / TPK rows a warp read), else 32
+    assert lay.TPK == (tpk if tpk and tpk * 8 >= D else 32)
     assert lay.EPL in (2, 4, 8) and D % lay.EPL == 0 and lay.TPK * lay.EPL >= D
     assert lay.tile == 4 * lay.U * (32 // lay.TPK)  # keys per block iteration
     rp = 1 << (lay.R - 1).bit_length()
-    assert rp * lay.U <= lay.TPK and lay.U in (2, 4, 8)  # one (row, key) per lane or fewer
+    assert rp * lay.U <= lay.TPK and lay.U in (1, 2, 4, 8)  # one (row, key) per lane or fewer
     assert lay.R <= 8 and lay.R * lay.RT == G * L
 
 
@@ -150,12 +150,14 @@ GPU_CASES = [
     Case(N=257, L=4, mask="bool_row"), Case(N=1025, view="slice", B=2),
     Case(N=257, view="strided", dtype="float32"), Case(N=2000, splits=1),
     Case(N=9001, D=64, dtype="bfloat16", mask="bool_kv"), Case(N=8193, Hq=32, Hk=8, sinks=True),
+    Case(N=4097, D=64, Hq=32, Hk=8, dtype="float32"), Case(N=300, D=64, L=8, Hq=16, Hk=2,
+                                                            mask="causal", sinks=True),
 ]
 
 
 @needs_gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.label())
-@pytest.mark.parametrize("tpk", [0, 32, 16])
+@pytest.mark.parametrize("tpk", [0, 32, 16, 8])
 def test_kernel_matches_float64(monkeypatch, case, tpk):
     from mlx_h2o.kernels import decode
     from mlx_h2o.kernels.decode import decode_attention

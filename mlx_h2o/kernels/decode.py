@@ -11,7 +11,7 @@ from .build import _make_pass1_kernel, _make_pass2_kernel, device_backend, gpu_b
 
 NT = 128  # threads per block (source.NT)
 KEYS_PER_LANE_GROUP = 0  # U, keys per warp iteration; 0: min(8, TPK / padded R)
-LANES_PER_KEY = 0  # TPK, 32 or 16 (two key rows a warp read); 0: lanes_per_key()
+LANES_PER_KEY = 0  # TPK: 32, 16 or 8 (2 or 4 key rows a warp read); 0: lanes_per_key()
 MAX_ROWS = 8  # query rows per block: registers hold R * EPL floats twice
 MAX_SPLITS = 256  # more never measured faster (docs/GPU.md, "--tune")
 TARGET_BLOCKS = 512  # ~4 blocks per SM on a 132-SM H100
@@ -45,7 +45,7 @@ def layout(D: int, itemsize: int, G: int, L: int, U: int = 0, TPK: int = 0) -> L
     # TPK lanes read one key row: each lane a slice of EPL = 2, 4 or 8 elements.
     tpk = TPK or 32
     if not any(tpk * e >= D and D % e == 0 for e in (2, 4, 8)):
-        tpk = 32  # the row does not fit 16 lanes
+        tpk = 32  # the row does not fit TPK lanes
     epl = next(e for e in (2, 4, 8) if tpk * e >= D and D % e == 0)
     rows = G * L
     R = max(r for r in range(1, MAX_ROWS + 1) if rows % r == 0)

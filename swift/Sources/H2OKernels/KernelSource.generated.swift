@@ -414,7 +414,7 @@ $IDS
   // lanes so that each lane ends with one (row, key): li >> SH is its index.
   constexpr int RP = R <= 1 ? 1 : (R <= 2 ? 2 : (R <= 4 ? 4 : 8));
   constexpr int V = RP * U;
-  constexpr int LT = TPK == 32 ? 5 : 4;  // log2 TPK
+  constexpr int LT = TPK == 32 ? 5 : (TPK == 16 ? 4 : 3);  // log2 TPK
   constexpr int SH = LT - (V >= 32 ? 5 : (V >= 16 ? 4 : (V >= 8 ? 3 : (V >= 4 ? 2 : 1))));
   constexpr int LOGU = U >= 8 ? 3 : (U >= 4 ? 2 : (U >= 2 ? 1 : 0));
 
@@ -516,7 +516,9 @@ $SINK_INIT
     if (TPK == 32) {
       H2O_RS(16, V / 2);
     }
-    H2O_RS(8, V >> (LT - 3));
+    if (TPK >= 16) {
+      H2O_RS(8, V >> (LT - 3));
+    }
     H2O_RS(4, V >> (LT - 2));
     H2O_RS(2, V >> (LT - 1));
     H2O_RS(1, V >> LT);
