@@ -67,7 +67,7 @@ for step in "$@"; do
     bench) python3 scripts/bench_kernels.py --step 2>&1 | tee "$OUT/bench.log" || status=1 ;;
     tune)
       for u in 4 8; do
-        python3 scripts/bench_kernels.py --dims 128 --ns 1024 32768 --tune --repeats 3 \
+        python3 scripts/bench_kernels.py --dims 128 --ns 1024 32768 --tune --repeats 3 --lanes-per-key 32 \
           --keys-per-group $u 2>&1 | tee -a "$OUT/tune.log" || status=1
       done ;;
     pytest) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py 2>&1 | tail -5 ;;

@@ -67,6 +67,12 @@ def test_layout(D, itemsize, G, L, tpk):
     assert lay.R <= 8 and lay.R * lay.RT == G * L
 
 
+def test_layout_refuses_more_logits_than_lanes():
+    assert layout(64, 2, 8, 1, 2, 16).U == 2  # 8 rows x 2 keys: one logit a lane of 16
+    with pytest.raises(ValueError, match="U <= 2"):
+        layout(64, 2, 8, 1, 4, 16)  # 32 logits for 16 lanes
+
+
 def test_choose_splits():
     assert choose_splits(1, 8, 64) == 1 and choose_splits(256, 8, 64) == 1
     counts = [choose_splits(n, 8, 64) for n in (257, 1025, 4097, 32768, 10**6)]

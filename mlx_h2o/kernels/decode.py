@@ -28,9 +28,9 @@ class Layout:
 
     R: int  # query rows per block (divides G * L)
     RT: int  # row tiles per KV head
-    TPK: int  # lanes per key row: 32, or 16 (a warp reads two rows at once)
+    TPK: int  # lanes per key row: 32, 16 or 8 (a warp reads 32 / TPK rows at once)
     EPL: int  # elements per lane
-    U: int  # keys each warp loads per iteration
+    U: int  # key rows each TPK-lane group loads per iteration
     tile: int  # keys per block iteration (splits are multiples of it)
 
     def template(self, dtype, D, L, G, Hk):
@@ -51,6 +51,9 @@ def layout(D: int, itemsize: int, G: int, L: int, U: int = 0, TPK: int = 0) -> L
     R = max(r for r in range(1, MAX_ROWS + 1) if rows % r == 0)
     rp = 1 << (R - 1).bit_length()  # rows padded to a power of two
     # R x U logits per key-row group iteration are spread over its TPK lanes.
+    if U and rp * U > tpk:
+        raise ValueError(f"U={U} keys for {R} query rows needs {rp * U} lanes a key "
+                         f"group, more than its {tpk}: use U <= {max(1, tpk // rp)}")
     U = U or min(8, tpk // rp)
     return Layout(R=R, RT=rows // R, TPK=tpk, EPL=epl, U=U, tile=(NT // 32) * U * (32 // tpk))
 
