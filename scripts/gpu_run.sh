@@ -1,7 +1,7 @@
 #!/bin/sh
 # One device call: install MLX CUDA (if given), then check and time the kernels.
 #
-#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|ab|tune|pytest|tests|sweep|qfold|qtile|model|realmodel|ptx]...
+#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|ab|tune|tpk8|pytest|tests|sweep|qfold|qtile|model|realmodel|ptx]...
 #
 # "install" expects .gpu/part1 already copied to /root/mlxw (previous call) and
 # .gpu/part2 and .gpu/lib (mlx_lm) carried now; "ensure" reuses a warm install.
@@ -59,6 +59,14 @@ for step in "$@"; do
           | tee -a "$OUT/bench_new.log" | grep -v "^{" || status=1
         python3 scripts/bench_kernels.py --plain ${BENCH_ARGS:-} 2>&1 \
           | tee -a "$OUT/bench_plain.log" | grep -v "^{" || status=1
+      done ;;
+    tpk8)  # four key rows a warp read at D=64 (decode.LANES_PER_KEY = 8): its checks, then D=64 timings
+      python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py -k float64 2>&1 | tail -3
+      timeout 400 python3 scripts/gpu_check.py --attention-only --lanes-per-key 8 2>&1 \
+        | tee "$OUT/check_tpk8.log" | grep -v ": ok$" || status=1
+      for t in 16 8 16 8; do
+        python3 scripts/bench_kernels.py --repeats 3 --dims 64 --lanes-per-key $t 2>&1 \
+          | tee -a "$OUT/bench_d64_tpk$t.log" | grep -v "^{" || status=1
       done ;;
     ptx)  # bring compiled kernels back, so a cold machine skips NVRTC
       tar -czf "$OUT/ptx.tgz" -C /tmp/mlx . && ls -la "$OUT/ptx.tgz" ;;

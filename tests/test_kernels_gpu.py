@@ -158,6 +158,7 @@ GPU_CASES = [
     Case(N=9001, D=64, dtype="bfloat16", mask="bool_kv"), Case(N=8193, Hq=32, Hk=8, sinks=True),
     Case(N=4097, D=64, Hq=32, Hk=8, dtype="float32"), Case(N=300, D=64, L=8, Hq=16, Hk=2,
                                                             mask="causal", sinks=True),
+    Case(N=9001, D=64, splits=1, sinks=True), Case(N=200, D=64, B=2, mask="add_q"),
 ]
 
 
