@@ -23,7 +23,7 @@ from .io import register_cache_class
 from .mixed_storage import MixedKV
 from .ops_step import int_array, slot_priority, zone_arrays
 from .quantized_storage import QuantizedKV
-from .storage import put_slot, take_slots
+from .storage import fresh_slot, put_slot, take_slots
 
 
 @dataclass(frozen=True)
@@ -221,10 +221,9 @@ def mixed_evict(config, window_size, kv, positions, score, count, n, keys, value
                         zones)
     victim = policy.select_victim(pri, pos)[..., None]  # (B, Hk, 1)
     target = kv.promote(victim, pos, split)
-    meta = []
-    for a, fresh in ((positions, offset), (score, 0), (count, 0)):
-        a = put_slot(a, victim, take_slots(a, target, n))  # oldest recent -> victim
-        meta.append(put_slot(a, target, mx.full(target.shape, fresh, a.dtype)))
+    # The oldest recent token's metadata moves with it; its slot starts afresh.
+    moved = (put_slot(a, victim, take_slots(a, target, n)) for a in (positions, score, count))
+    meta = fresh_slot(*moved, target, offset)
     kv.write_slot(target, keys, values, split)
     return (*meta, target)
 

@@ -51,9 +51,10 @@ def put_slot(a, slot, value):
     return mx.put_along_axis(a, idx, value, axis=2)
 
 
-def fresh_slot(positions, score, count, slot, position: int):
+def fresh_slot(positions, score, count, slot, position):
     """(positions, score, count) with ``slot`` (B, Hk, 1), or a fused step's
-    (B, Hk, 1, ·) victim, holding ``position`` and zero scores."""
+    (B, Hk, 1, ·) victim, holding ``position`` (an int, or an int32 scalar
+    array under mx.compile) and zero scores."""
     slot = slot[..., 0] if slot.ndim == 4 else slot
     zero = mx.zeros(slot.shape, mx.float32)
     return (put_slot(positions, slot, mx.full(slot.shape, position, mx.int32)),
