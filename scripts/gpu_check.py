@@ -25,8 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mlx_h2o import policy  # noqa: E402
 from mlx_h2o.cache import H2OKVCache  # noqa: E402
 from mlx_h2o.config import H2OConfig  # noqa: E402
-from mlx_h2o.kernels import gpu_backend, h2o_decode_step, h2o_fold_step  # noqa: E402
-from mlx_h2o.kernels import decode  # noqa: E402
+from mlx_h2o.kernels import decode, gpu_backend, h2o_decode_step, h2o_fold_step  # noqa: E402
 from mlx_h2o.kernels.decode import decode_attention  # noqa: E402
 from mlx_h2o.kernels.queued import TILES, queue_fold  # noqa: E402
 from mlx_h2o.kernels.testing import (  # noqa: E402
@@ -317,24 +316,25 @@ def run_queue_fold(quick: bool, seed: int) -> int:
     return fails
 
 
-def warm(quick: bool, shard: int, jobs: int, attention: bool = True):
+def warm(quick: bool, shard: int, jobs: int, attention: bool = True, folds: bool = True):
     """Compile this shard's kernels (MLX caches them on disk for the checker)."""
     cases = [c for group in attention_cases(quick).values() for c in group] if attention else []
     for case in cases[shard::jobs]:
         q, k, v, mask, sinks = make_inputs(case, 0)
         mx.eval(decode_attention(q, k, v, scale=0.1, mask=mask, sinks=sinks,
                                  num_splits=case.splits))
-    folds = [(D, G, dt, t) for D, (G, _) in QUEUE_CASES.items() for dt in DTYPES for t in TILES]
-    for D, G, dtype, tile in folds[shard::jobs]:  # run_queue_fold's builds
+    builds = [(D, G, dt, t) for D, (G, _) in QUEUE_CASES.items() for dt in DTYPES for t in TILES]
+    for D, G, dtype, tile in builds[shard::jobs] if folds else []:  # run_queue_fold's
         dt, zero = getattr(mx, dtype), mx.zeros((1, 4, 1))
         mx.eval(queue_fold(mx.zeros((1, 4 * G, 1, D), dt), mx.zeros((1, 4, 1, D), dt), [1],
                            0.3, zero, zero, tile=tile))
 
 
-def warm_all(quick: bool, jobs: int, attention: bool = True):
+def warm_all(quick: bool, jobs: int, attention: bool = True, folds: bool = True):
     t0 = time.time()
     cmd = [sys.executable, __file__, "--warm-jobs", str(jobs)] + (["--quick"] if quick else [])
     cmd += [] if attention else ["--skip-attention"]
+    cmd += [] if folds else ["--attention-only"]
     cmd += ["--lanes-per-key", str(decode.LANES_PER_KEY)]
     procs = [subprocess.Popen(cmd + ["--warm-shard", str(i)]) for i in range(jobs)]
     codes = [p.wait() for p in procs]
@@ -358,7 +358,8 @@ def main():
     args = p.parse_args()
     decode.LANES_PER_KEY = args.lanes_per_key
     if args.warm_shard is not None:
-        warm(args.quick, args.warm_shard, args.warm_jobs, not args.skip_attention)
+        warm(args.quick, args.warm_shard, args.warm_jobs, not args.skip_attention,
+             not args.attention_only)
         return 0
     if gpu_backend() is None:
         print("no GPU backend (mx.metal / mx.cuda unavailable): nothing to check")
@@ -367,7 +368,7 @@ def main():
     print(f"backend={gpu_backend()} mlx={mx.__version__} seed={seed} TPK={args.lanes_per_key}")
     t0 = time.time()
     if args.jobs > 1:
-        warm_all(args.quick, args.jobs, not args.skip_attention)
+        warm_all(args.quick, args.jobs, not args.skip_attention, not args.attention_only)
     fails = 0 if args.skip_attention else run_attention(args.quick, seed)
     if not args.attention_only:
         fails += run_fold(seed)
