@@ -1,7 +1,7 @@
 #!/bin/sh
 # One device call: install MLX CUDA (if given), then check and time the kernels.
 #
-#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|ab|tune|tpk8|pytest|tests|sweep|qfold|qtile|model|realmodel|ptx]...
+#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|ab|tune|tpk8|tpk16|pytest|tests|sweep|qfold|qtile|model|realmodel|ptx]...
 #
 # "install" expects .gpu/part1 already copied to /root/mlxw (previous call) and
 # .gpu/part2 and .gpu/lib (mlx_lm) carried now; "ensure" reuses a warm install.
@@ -67,6 +67,13 @@ for step in "$@"; do
       for t in 16 8 16 8; do
         python3 scripts/bench_kernels.py --repeats 3 --dims 64 --lanes-per-key $t 2>&1 \
           | tee -a "$OUT/bench_d64_tpk$t.log" | grep -v "^{" || status=1
+      done ;;
+    tpk16)  # 16 lanes a key row at D 80 / 96 (never timed): checks at TPK 16, then timings
+      timeout 300 python3 scripts/gpu_check.py --attention-only --lanes-per-key 16 2>&1 \
+        | tee "$OUT/check_tpk16.log" | grep -v ": ok$" || status=1
+      for t in 32 16 32 16; do
+        python3 scripts/bench_kernels.py --repeats 3 --dims 80 96 --lanes-per-key $t 2>&1 \
+          | tee -a "$OUT/bench_d8096_tpk$t.log" | grep -v "^{" || status=1
       done ;;
     ptx)  # bring compiled kernels back, so a cold machine skips NVRTC
       tar -czf "$OUT/ptx.tgz" -C /tmp/mlx . && ls -la "$OUT/ptx.tgz" ;;

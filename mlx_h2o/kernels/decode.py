@@ -59,14 +59,16 @@ def layout(D: int, itemsize: int, G: int, L: int, U: int = 0, TPK: int = 0) -> L
 
 
 def lanes_per_key(D: int, N: int) -> int:
-    """16 lanes a key row (a warp reads two rows at once: half the warp
-    shuffles per logit, wider loads) where it measured faster on an H200:
-    D=64 at every N, D=128 from 8K keys (its 168 registers cost more than
-    they save below that); else, and on Metal (never run), 32.
-    docs/GPU.md, session 16."""
+    """Lanes a key row, where each measured fastest on an H200 (fewer lanes
+    a row: fewer warp shuffles per logit, wider loads, more registers):
+    D=64 16, and 8 from 8K keys (4 rows a warp read); D 80 / 96 16; D=128
+    16 from 8K keys (its 168 registers cost more than they save below
+    that); else, and on Metal (never run), 32. docs/GPU.md, sessions 16-17."""
     if device_backend() != "cuda":
         return 32
-    return 16 if D == 64 or (D == 128 and N >= 8192) else 32
+    if D == 64:
+        return 8 if N >= 8192 else 16
+    return 16 if D in (80, 96) or D == 128 and N >= 8192 else 32
 
 
 def choose_splits(N: int, units: int, tile: int, D: int = 128) -> int:
@@ -185,13 +187,18 @@ def decode_attention(
     compiled launch; K / V strides are read when the kernel runs.
     """
     arrays = [q, k, v, params_f(float(scale))]
-    arrays += [mask] if isinstance(mask, mx.array) else []
-    arrays += [sinks] if sinks is not None else []
+    if isinstance(mask, mx.array):
+        arrays.append(mask)
+        mask_key = (mask.shape, mask.dtype)
+    else:
+        mask_key = mask
+    if sinks is not None:
+        arrays.append(sinks)
     if poison is None:
-        # Shapes, dtypes and flags fix the launch: the plan is made only to compile it.
-        signature = (mask if isinstance(mask, str) else mask is None, sinks is None,
-                     num_splits, KEYS_PER_LANE_GROUP, LANES_PER_KEY) + tuple(
-            (a.shape, a.dtype) for a in arrays)
+        # What the plan depends on (mx.compile itself retraces on other input
+        # shapes or dtypes): the plan is made only to compile a launch.
+        signature = (q.shape, k.shape, q.dtype, mask_key, sinks is None, num_splits,
+                     KEYS_PER_LANE_GROUP, LANES_PER_KEY)
         fn = _REPEATED.get(signature, lambda: _plan(q, k, mask, sinks, num_splits))
         if fn is not None:
             return tuple(fn(*arrays))
