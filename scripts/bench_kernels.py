@@ -140,6 +140,8 @@ def main():
     p.add_argument("--chain", type=int, default=200)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--tune", action="store_true", help="time each split count")
+    p.add_argument("--tune-splits", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
+                   help="the split counts --tune times")
     p.add_argument("--step", action="store_true", help="also time a whole layer step")
     p.add_argument("--keys-per-group", type=int, default=0, help="U (0: automatic)")
     p.add_argument("--lanes-per-key", type=int, default=0, choices=[0, 8, 16, 32],
@@ -183,7 +185,7 @@ def main():
                   f"{row['ours_us'] - row['host_ours_us']:5.1f}/"
                   f"{row['mlx_us'] - row['host_mlx_us']:<5.1f}", flush=True)
             if args.tune:
-                for S in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+                for S in args.tune_splits:
                     o, _, _ = attention_chains(N, D, dtype, splits=S)
                     print(f"       tune S={S:3d}: {timed(o, args.chain, args.repeats) * 1e6:8.1f} us",
                           flush=True)

@@ -92,6 +92,11 @@ def prefill(model, cache, context):
         for _ in range(3):  # warm-up (kernel builds, compiled traces)
             y = model(y, cache=cache)[:, -1:].argmax(-1)
             mx.eval(y)
+        # Fold what the warm-up queued: a process's first queue fold builds its
+        # kernels (NVRTC, ~4 s on the H200: MLX 0.32.4 keeps no custom kernel
+        # on disk), which would otherwise land in a timed round (docs/GPU.md,
+        # session 17).
+        mx.eval([c.score for c in cache if isinstance(c, H2OKVCache)])
     return y
 
 
