@@ -4,7 +4,8 @@
         [--jit-dir /tmp/mlx]
 
 A Qwen3-8B-shaped random 4-bit model (as scripts/gpu_cache_check.py) is
-prefilled, then decoded one synchronous step at a time. Steps slower than
+prefilled (timed: a first prompt also builds kernels), then decoded one
+synchronous step at a time. Steps slower than
 3x the median are listed with the files that appeared meanwhile under
 --jit-dir (MLX's on-disk cache of JIT-compiled CUDA kernels): a kernel built
 on first use shows up there. Used to explain the slow rounds of H2O without
@@ -56,9 +57,11 @@ def main():
     model = random_model(args.model, bits=4, dtype=mx.bfloat16)
     cache = make_cache(args.strategy, model, args.context)
     with mlx_h2o.patch():
+        before, t0 = files(args.jit_dir), time.perf_counter()
         for s in range(0, args.context, 512):
             mx.eval(model(mx.random.randint(0, 1000, (1, min(512, args.context - s))),
                           cache=cache))
+        prompt_s, prompt_new = time.perf_counter() - t0, files(args.jit_dir) - before
         y, times, new = mx.array([[1]]), [], []
         for _ in range(args.steps):
             before = files(args.jit_dir)
@@ -70,6 +73,7 @@ def main():
     med = statistics.median(times)
     print(f"{args.strategy} context={args.context} steps={args.steps} "
           f"median {med * 1e3:.2f} ms, total {sum(times):.2f} s, mlx {mx.__version__}")
+    print(f"prompt: {prompt_s:.2f} s in chunks of 512, {len(prompt_new)} new JIT files")
     for i, (t, f) in enumerate(zip(times, new)):
         if t > 3 * med or f:
             print(f"step {i:4d}: {t * 1e3:9.1f} ms  new JIT files: {len(f)}")
