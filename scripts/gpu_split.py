@@ -26,6 +26,7 @@ Diagnostic, not a benchmark of record (docs/GPU.md).
 
 import argparse
 import collections
+import functools
 import gc
 import json
 import os
@@ -84,6 +85,37 @@ def folds_together(cache):
     return cache
 
 
+def fixed_victims(cache):
+    """Diagnostic (wrong decisions, timing only): no group fold launch; every
+    token hands out the same evaluated victims (slot 0), metadata unchanged.
+    With ``h2o`` and ``h2o_slot0``: what the fold's launch costs the host."""
+    fixed = []
+
+    def fold(group, caches, queries, offsets):
+        if not fixed:
+            B, Hk, _, D = caches[0].kv.keys.shape
+            fixed[:] = [mx.zeros((len(caches) * B, Hk, 1, D), mx.int32),
+                        [mx.zeros((B, Hk, 1, D), mx.int32) for _ in caches]]
+            mx.eval(fixed)
+        return (*group._meta, *fixed)
+
+    for group in {id(c._group): c._group for c in cache if c._group is not None}.values():
+        group._fold_kernel = functools.partial(fold, group)
+    return cache
+
+
+def slot0_writes(cache):
+    """Diagnostic (wrong contents, timing only): each victim write is a slice
+    update of slot 0, as RotatingKVCache writes, instead of two scatters."""
+    def write(kv, index, keys, values, for_sdpa=False):
+        kv.keys[..., :1, :] = keys
+        kv.values[..., :1, :] = values
+
+    for c in cache:
+        c.kv.write_index = types.MethodType(write, c.kv)
+    return cache
+
+
 def strategies(model, context, budget):
     n = len(model.layers)
     cfg = H2OConfig(max_size=budget, heavy_budget=budget // 2)
@@ -113,6 +145,9 @@ def strategies(model, context, budget):
         "h2o_fold_next": lambda: with_attrs(make_h2o_cache(model, cfg), lambda c: c._group,
                                             fold_at_last_push=False),
         "h2o_per_layer": lambda: without_groups(make_h2o_cache(model, cfg)),
+        # diagnostics (wrong results): no fold launch / slice updates for scatters
+        "h2o_fixed_victims": lambda: fixed_victims(make_h2o_cache(model, cfg)),
+        "h2o_slot0": lambda: slot0_writes(make_h2o_cache(model, cfg)),
         # mlx-lm's own: opt-in, MLX 0.32's CUDA quantized_matmul has no kernel
         # for 4097 keys, so it fails at the first decode step after prefill
         "qkv8": lambda: [QuantizedKVCache(group_size=64, bits=8) for _ in range(n)],
