@@ -249,5 +249,8 @@ def _make_group_kernel(n_layers: int, quantized: bool = False):
     if backend is None:
         return None
     name = f"h2o_group{'q' if quantized else ''}{n_layers}"
+    # MLX builds it in every process (~1.5-2 s at the first evicting step).
+    # Launched precompiled (kernels/cubin.py) it built in ~0.3 s, but an H2O
+    # token's build took 2.27 ms instead of 1.80 (docs/GPU.md, session 17).
     return _kernel(backend, name, group_names(n_layers, quantized),
                    *group_source(backend, n_layers, quantized), contiguous=True)
