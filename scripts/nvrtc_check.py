@@ -41,7 +41,7 @@ from typing import Callable, Dict, List
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from mlx_h2o.kernels import build, decode, kv_write, quantized_gpu, queued  # noqa: E402
+from mlx_h2o.kernels import build, cubin, decode, kv_write, quantized_gpu, queued  # noqa: E402
 from mlx_h2o.kernels.decode import KEYS_PER_LANE_GROUP, layout  # noqa: E402
 
 _NV = next(iter(glob.glob("/tmp/nv/lib/python3*/site-packages/nvidia/cu13")),
@@ -106,13 +106,8 @@ def wrap(kernel: Kernel, dtype: str, func: str) -> str:
     outs = (f"    {ctype(n, kernel, dtype)}* {n}" for n in kernel.outputs)
     src.append(",\n".join(outs))
     src.append(") {\n")
-    for name, v in kernel.template(dtype):
-        if isinstance(v, bool):
-            src.append(f"  constexpr bool {name} = {str(v).lower()};\n")
-        elif isinstance(v, int):
-            src.append(f"  constexpr int {name} = {v};\n")
-        else:
-            src.append(f"  using {name} = {CUDA_TYPES[v]};\n")
+    src += [line + "\n" for line in cubin.constants(kernel.template(dtype),
+                                                     CUDA_TYPES.__getitem__)]
     src += ["\n", kernel.body, "\n}\n\n} // namespace mlx::core::cu\n"]
     return "".join(src)
 

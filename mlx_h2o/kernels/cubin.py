@@ -177,16 +177,23 @@ def program(header: str, body: str, inputs, outputs, template) -> str:
                 lines.append(f"  const {ctype} {n}_{part}[{nd}] = {{{', '.join(dims)}}};")
         if _reads(body, n)[2]:
             lines.append(f"  constexpr int {n}_ndim = {nd};")
+    lines += constants(template)
+    return ("#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n" + header
+            + '\nextern "C" __global__ void H2O_PRECOMPILED_FUNC(\n    ' + ",\n    ".join(params)
+            + ") {\n" + "\n".join(lines) + "\n" + body + "\n}\n")
+
+
+def constants(template, type_name=CTYPES.__getitem__) -> List[str]:
+    """Template arguments as the lines MLX's kernel builder writes for them."""
+    lines = []
     for n, v in template:
         if isinstance(v, bool):
             lines.append(f"  constexpr bool {n} = {str(v).lower()};")
         elif isinstance(v, int):
             lines.append(f"  constexpr int {n} = {v};")
         else:
-            lines.append(f"  using {n} = {CTYPES[v]};")
-    return ("#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n" + header
-            + '\nextern "C" __global__ void H2O_PRECOMPILED_FUNC(\n    ' + ",\n    ".join(params)
-            + ") {\n" + "\n".join(lines) + "\n" + body + "\n}\n")
+            lines.append(f"  using {n} = {type_name(v)};")
+    return lines
 
 
 def scalars(body: str, names: Sequence[str], inputs) -> List[int]:
