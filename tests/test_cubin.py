@@ -84,6 +84,13 @@ def test_cubin_is_compiled_once_and_read_back(stand_in):
     assert len(files) == 2 and all(f.startswith("f_a.") and f.endswith(".cubin") for f in files)
 
 
+def test_unwritable_cache_still_returns_the_build(stand_in, monkeypatch):
+    calls, root = stand_in
+    monkeypatch.setattr(cubin.os, "replace", lambda a, b: (_ for _ in ()).throw(OSError("ro")))
+    assert cubin.cached_cubin("program C", "f_c") == b"f_c:sm_90"
+    assert not list(root.rglob("*.tmp")) and not list(root.rglob("*.cubin"))  # no leftovers
+
+
 def test_cache_off():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(cubin.CACHE_ENV, "0")

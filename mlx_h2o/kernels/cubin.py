@@ -40,7 +40,10 @@ def cache_dir() -> Optional[Path]:
     env = os.environ.get(CACHE_ENV)
     if env == "0":
         return None
-    root = Path(env) if env else Path.home() / ".cache" / "mlx_h2o" / "cubin"
+    try:
+        root = Path(env) if env else Path.home() / ".cache" / "mlx_h2o" / "cubin"
+    except RuntimeError:  # no home directory to find
+        return None
     return root / mx.__version__
 
 
@@ -135,7 +138,8 @@ def compile_program(source: str, func: str, arch: str) -> bytes:
 
 def cached_cubin(source: str, func: str) -> bytes:
     """``compile_program`` once per machine: read from ``cache_dir()``, else
-    compiled and written there atomically (a partial file is never read)."""
+    compiled and written there atomically (a partial file is never read; an
+    unwritable cache only costs the next process a build)."""
     arch = _arch()
     major, minor = ctypes.c_int(), ctypes.c_int()
     _nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
@@ -144,11 +148,16 @@ def cached_cubin(source: str, func: str) -> bytes:
     if path.is_file():
         return path.read_bytes()
     data = compile_program(source, func, arch)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        if tmp is not None and os.path.exists(tmp):
+            os.remove(tmp)
     return data
 
 
