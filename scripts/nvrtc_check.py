@@ -3,7 +3,8 @@
 Catches compile errors before GPU time is spent. Each (label, header, body) of
 mlx_h2o.kernels.build.all_sources("cuda") (and any other build.*_sources),
 each quantized attention kernel of kernels/quantized_gpu.py and the three
-kernels of kernels/queued.py, is wrapped as MLX
+kernels of kernels/queued.py (these also as kernels/cubin.py builds them to
+run precompiled), is wrapped as MLX
 0.32.4's CUDA custom kernel builder does (mlx/backend/cuda/custom_kernel.cpp,
 build_kernel), with the template constants and dtypes the launch code passes,
 and compiled for sm_90 as MLX's JIT does (jit_module.cpp): MLX's device
@@ -226,6 +227,27 @@ def queue_fold_kernels(D: int, G: int) -> List[Kernel]:
             for kind in queued.KINDS for nt, kpt in queued.TILES]
 
 
+# Input ndims of the kernels that run precompiled (kernels/cubin.py): the queue fold.
+PRECOMPILED_NDIM = {"q": 4, "k": 4, "vis": 1, "prm_f": 1, "part": 4, "lse_in": 2,
+                    "score_in": 3, "count_in": 3}
+MX_TYPES = {"float": "float32", "int32_t": "int32", "uint32_t": "uint32", "__half": "float16",
+            "__nv_bfloat16": "bfloat16", "bool": "bool_"}
+
+
+def precompiled(kernel: Kernel, dtype: str, func: str) -> str:
+    """The program cubin.PrecompiledKernel builds for ``kernel`` (no MLX headers)."""
+    import mlx.core as mx
+
+    def mx_type(name):
+        return getattr(mx, MX_TYPES[ctype(name, kernel, dtype)])
+
+    tmpl = [(n, getattr(mx, v) if isinstance(v, str) else v) for n, v in kernel.template(dtype)]
+    src = cubin.program(kernel.header, kernel.body,
+                        [(n, mx_type(n), PRECOMPILED_NDIM[n]) for n in kernel.inputs],
+                        [(n, mx_type(n)) for n in kernel.outputs], tmpl)
+    return src.replace("H2O_PRECOMPILED_FUNC", func, 1)
+
+
 # --- MLX's JIT headers ----------------------------------------------------------
 def mlx_jit_headers(libmlx: str) -> dict:
     """{include name: text} of the device headers libmlx.so hands to NVRTC
@@ -338,14 +360,14 @@ def _init_worker(lib: str, libmlx: str, options: List[str]):
 
 
 def _compile(program):
-    func, source = program
+    func, source, expr = program
     t0 = time.time()
-    ok, log, cubin = _nvrtc.compile(source, func, f"mlx::core::cu::{func}")
+    ok, log, cubin = _nvrtc.compile(source, func, expr)
     return ok, log, time.time() - t0, cubin
 
 
 def programs(args) -> List[tuple]:
-    """(tag, function name, source) of every program to compile."""
+    """(tag, function name, source, name expression) of every program to compile."""
     D, G, HK, L = (int(x) for x in args.shape.split(","))
     kernels = build_kernels(D, G, HK, L) + quantized_kernels(D, G) + write_kernels(D)
     kernels += queue_fold_kernels(D, G)
@@ -354,11 +376,17 @@ def programs(args) -> List[tuple]:
     out = []
     for i, (kernel, dtype) in enumerate(jobs):
         func = f"custom_kernel_h2o_check_{i}"
-        out.append((f"{kernel.label} T={dtype}", func, wrap(kernel, dtype, func)))
-        if args.dump:
-            os.makedirs(args.dump, exist_ok=True)
+        out.append((f"{kernel.label} T={dtype}", func, wrap(kernel, dtype, func),
+                    f"mlx::core::cu::{func}"))
+        if kernel.label.startswith("qfold"):  # also as it runs: precompiled
+            pre = f"h2o_check_precompiled_{i}"
+            out.append((f"{kernel.label} T={dtype} precompiled", pre,
+                        precompiled(kernel, dtype, pre), pre))
+    if args.dump:
+        os.makedirs(args.dump, exist_ok=True)
+        for tag, func, source, _ in out:
             with open(os.path.join(args.dump, f"{func}.cu"), "w") as f:
-                f.write(f"// {out[-1][0]}\n{out[-1][2]}")
+                f.write(f"// {tag}\n{source}")
     return out
 
 
@@ -400,8 +428,8 @@ def main() -> int:
     t0, failed = time.time(), 0
     with ProcessPoolExecutor(max(1, args.jobs), initializer=_init_worker,
                              initargs=init) as pool:
-        results = pool.map(_compile, [(func, src) for _, func, src in progs])
-        for (tag, func, _), (ok, log, dt, cubin) in zip(progs, results):
+        results = pool.map(_compile, [prog[1:] for prog in progs])
+        for (tag, func, *_), (ok, log, dt, cubin) in zip(progs, results):
             failed += not ok
             if ok and args.cubin:  # SASS: cuobjdump -sass DIR/FUNC.cubin
                 os.makedirs(args.cubin, exist_ok=True)
