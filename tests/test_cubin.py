@@ -51,7 +51,8 @@ def test_strides_of_row_contiguous_inputs_follow_from_shapes():
                         [("o", mx.float32)], [])
     assert "const long long k_strides[3] = {k_strides0, k_strides1, k_strides2};" in src
     assert "constexpr int k_ndim = 3;" in src and "int p_shape0" in src
-    ints = cubin.scalars(body, ["k", "p"], [mx.zeros((2, 5, 7)), mx.zeros((4,), mx.int32)])
+    ints = cubin.scalars(cubin.reads(body, ["k", "p"]), ["k", "p"],
+                         [mx.zeros((2, 5, 7)), mx.zeros((4,), mx.int32)])
     assert ints == [35, 7, 1, 4]  # k's strides, then p's shape: the parameters' order
 
 

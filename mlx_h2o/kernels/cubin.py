@@ -161,9 +161,10 @@ def cached_cubin(source: str, func: str) -> bytes:
     return data
 
 
-def _reads(body: str, name: str):
-    """Which of its shape, strides, ndim a body reads for input ``name``."""
-    return tuple(f"{name}_{part}" in body for part in ("shape", "strides", "ndim"))
+def reads(body: str, names: Sequence[str]) -> dict:
+    """Input name -> whether the body reads its (shape, strides, ndim)."""
+    return {n: tuple(f"{n}_{part}" in body for part in ("shape", "strides", "ndim"))
+            for n in names}
 
 
 def program(header: str, body: str, inputs, outputs, template) -> str:
@@ -177,14 +178,14 @@ def program(header: str, body: str, inputs, outputs, template) -> str:
     its ndim is a constant of the variant."""
     params = [f"const {CTYPES[d]}* {n}" for n, d, _ in inputs]
     params += [f"{CTYPES[d]}* {n}" for n, d in outputs]
-    lines = []
+    read, lines = reads(body, [n for n, _, _ in inputs]), []
     for n, _, nd in inputs:
-        for part, ctype, read in zip(("shape", "strides"), ("int", "long long"), _reads(body, n)):
-            if read:
+        for part, ctype, used in zip(("shape", "strides"), ("int", "long long"), read[n]):
+            if used:
                 dims = [f"{n}_{part}{i}" for i in range(nd)]
                 params += [f"int {d}" for d in dims]
                 lines.append(f"  const {ctype} {n}_{part}[{nd}] = {{{', '.join(dims)}}};")
-        if _reads(body, n)[2]:
+        if read[n][2]:
             lines.append(f"  constexpr int {n}_ndim = {nd};")
     lines += constants(template)
     return ("#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n" + header
@@ -205,11 +206,12 @@ def constants(template, type_name=CTYPES.__getitem__) -> List[str]:
     return lines
 
 
-def scalars(body: str, names: Sequence[str], inputs) -> List[int]:
-    """The int parameters ``program`` adds, in its order, for these inputs."""
+def scalars(read: dict, names: Sequence[str], inputs) -> List[int]:
+    """The int parameters ``program`` adds, in its order, for these inputs
+    (``read``: ``reads`` of the body)."""
     out = []
     for n, a in zip(names, inputs):
-        shape, strides, _ = _reads(body, n)
+        shape, strides, _ = read[n]
         if shape:
             out += a.shape
         if strides:
@@ -227,6 +229,7 @@ class PrecompiledKernel:
                  header: str, body: str, fallback):
         self.name, self.input_names, self.output_names = name, input_names, output_names
         self.header, self.body, self.fallback = header, body, fallback
+        self._reads = reads(body, input_names)  # searched once, not per launch
         self._built = {}  # variant -> (function name, cubin) or None (MLX builds it)
 
     def __call__(self, *, inputs, grid, threadgroup, output_shapes, output_dtypes,
@@ -240,7 +243,7 @@ class PrecompiledKernel:
             return self.fallback(inputs=inputs, template=list(template), grid=grid,
                                  threadgroup=threadgroup, output_shapes=output_shapes,
                                  output_dtypes=output_dtypes, init_value=init_value)
-        ints = scalars(self.body, self.input_names, inputs)
+        ints = scalars(self._reads, self.input_names, inputs)
         if max(ints, default=0) > INT32_MAX:
             raise ValueError(f"{self.name}: a shape or stride above {INT32_MAX} does not "
                              f"fit an int scalar (set {CACHE_ENV}=0 to let MLX build it)")
