@@ -11,6 +11,8 @@ Exits non-zero on a mismatch.
 """
 
 import argparse
+import copy
+import functools
 import json
 import statistics
 import sys
@@ -28,6 +30,7 @@ from mlx_h2o.cache import (
     QuantConfig, load_prompt_cache, quantized_cache_type, save_prompt_cache,
 )
 from mlx_h2o.eval.bench import random_model
+from mlx_h2o.kernels import group_fold as group_fold_mod
 
 
 def teacher_forced(model, cache, tokens, prefill):
@@ -152,6 +155,32 @@ def loaded(cfg, model):
         return load_prompt_cache(f"{d}/c.safetensors")
 
 
+def mlx_fold(cfg, model):
+    """H2O whose group fold is MLX's build launched directly (as before
+    session 18) instead of our cubin under mx.compile, for an A/B in one run."""
+    cache = make_h2o_cache(model, cfg)
+    for group in {id(c._group): c._group for c in cache if c._group is not None}.values():
+        group._fold_kernel = functools.partial(_mlx_built, group._fold_kernel)
+    return cache
+
+
+def _mlx_built(fold_kernel, *args):
+    made = group_fold_mod.group_plan
+    group_fold_mod.group_plan = _mlx_plan
+    try:
+        return fold_kernel(*args)
+    finally:
+        group_fold_mod.group_plan = made
+
+
+@functools.lru_cache(maxsize=None)
+def _mlx_plan(*args):
+    plan = copy.copy(group_fold_mod.group_plan(*args))
+    plan.kernel = getattr(plan.kernel, "fallback", plan.kernel)
+    plan._run = plan._launch
+    return plan
+
+
 def views(cfg, model):
     cache = make_h2o_cache(model, cfg)
     for c in cache:
@@ -181,6 +210,8 @@ def bench(model, context, budgets, steps, rounds, variants):
             strategies[f"h2o_evict_{b}_perlayer"] = lambda e=evict: per_layer(e, model)
         if "loaded" in variants:
             strategies[f"h2o_evict_{b}_loaded"] = lambda e=evict: loaded(e, model)
+        if "mlxfold" in variants:
+            strategies[f"h2o_evict_{b}_mlxfold"] = lambda e=evict: mlx_fold(e, model)
         if "views" in variants:
             strategies[f"h2o_evict_{b}_views"] = lambda e=evict: views(e, model)
         if "quantized" in variants:
@@ -226,10 +257,12 @@ def main():
     p.add_argument("--steps", type=int, default=32, help="decode steps per round")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--variants", nargs="*", default=[],
-                   choices=["unfused", "views", "quantized", "eager", "perlayer", "loaded"],
+                   choices=["unfused", "views", "quantized", "eager", "perlayer", "loaded",
+                            "mlxfold"],
                    help="also time the op-by-op path / the fused step on fetched views / "
                         "8- and 4-bit H2O caches / no eviction folding every step / "
-                        "per-layer steps (no StepGroup) / caches from load_prompt_cache")
+                        "per-layer steps (no StepGroup) / caches from load_prompt_cache / "
+                        "the group fold built by MLX")
     p.add_argument("--no-bench", action="store_true")
     p.add_argument("--no-check", action="store_true")
     args = p.parse_args()

@@ -26,6 +26,7 @@ Diagnostic, not a benchmark of record (docs/GPU.md).
 
 import argparse
 import collections
+import copy
 import functools
 import gc
 import json
@@ -47,7 +48,9 @@ import mlx_h2o  # noqa: E402
 from mlx_h2o import H2OConfig, make_h2o_cache  # noqa: E402
 from mlx_h2o.cache import QuantConfig, quantized_cache_type  # noqa: E402
 from mlx_h2o.eval.bench import random_model  # noqa: E402
-from mlx_h2o.kernels.group_fold import GroupFold, group_fold, group_plan  # noqa: E402
+from mlx_h2o.kernels import cubin  # noqa: E402
+from mlx_h2o.kernels.build import group_names, group_source  # noqa: E402
+from mlx_h2o.kernels.group_fold import GroupFold, group_plan  # noqa: E402
 from mlx_h2o.kernels.group_fold import layer_params  # noqa: E402
 from mlx_h2o.kernels.kv_write import write_plan  # noqa: E402
 from mlx_h2o.kernels.packed import pack  # noqa: E402
@@ -298,9 +301,24 @@ def op_probe(layers=36, n=256, reps=20):
     return out
 
 
-def fold_probe(layers=36, M=256, reps=20, bits=None, direct=False):
-    """Build and dispatch ms (idle GPU) of one token's group fold over ``layers``
-    layers (kernels/group_fold.py; ``bits``: packed K/V), chained as in decode."""
+def fold_launch(plan, kernel="mlx", compiled=False):
+    """The plan's launch with MLX's build of its kernel or ours (``cubin``:
+    kernels/cubin.py, built once per machine), optionally under mx.compile."""
+    if kernel == "cubin":
+        quantized = plan.VD == 1
+        plan = copy.copy(plan)
+        plan.kernel = cubin.PrecompiledKernel(
+            f"h2o_group{'q' if quantized else ''}{plan.n}", *group_names(plan.n, quantized),
+            *group_source("cuda", plan.n, quantized), fallback=plan.kernel)
+    return mx.compile(plan._launch) if compiled else plan._launch
+
+
+def fold_probe(layers=36, M=256, reps=20, bits=None, kernel="mlx", compiled=False):
+    """Build, dispatch and wait ms (idle GPU) of one token's group fold over
+    ``layers`` layers (kernels/group_fold.py; ``bits``: packed K/V), chained as
+    in decode, and the first call's (build included); ``kernel`` and
+    ``compiled`` as fold_launch. ``same``: the first call's outputs equal
+    those of MLX's build launched directly."""
     B, Hq, Hk, D, dt, offset = 1, 32, 8, 128, mx.bfloat16, 5000
     qs = [mx.random.normal((B, Hq, 1, D)).astype(dt) for _ in range(layers)]
     keys = [mx.random.normal((B, Hk, M, D)).astype(dt) for _ in range(layers)]
@@ -313,26 +331,33 @@ def fold_probe(layers=36, M=256, reps=20, bits=None, direct=False):
     lay_i = mx.array([layer_params(offset, 4, M // 2, M, M)] * layers, dtype=mx.int32)
     lay_f = mx.array([[D ** -0.5, 0.95, 0.05, 0.0]] * layers, mx.float32)
     mx.eval(qs, keys, pos, score, count, slot, lay_i, lay_f)
-    builds, disps = [], []
-    for _ in range(reps):
+    plan = group_plan(layers, B, Hq, Hk, D, dt, M, "accumulated", (), bits, 64)
+    launch, same = fold_launch(plan, kernel, compiled), None
+    builds, disps, waits = [], [], []
+    for r in range(reps):
         mx.synchronize()
         t0 = time.perf_counter()
-        if direct:  # the plan's launch without mx.compile
-            plan = group_plan(layers, B, Hq, Hk, D, dt, M, "accumulated", (), bits, 64)
-            out = plan._launch(*qs, *keys, lay_i, lay_f, pos, score, count, slot)
-            res = GroupFold(*out[:6], list(out[6:]))
-        else:
-            res = group_fold(qs, keys, lay_i, lay_f, pos, score, count, slot,
-                             mode="accumulated", bits=bits)
+        out = launch(*qs, *keys, lay_i, lay_f, pos, score, count, slot)
+        res = GroupFold(*out[:6], list(out[6:]))
         t1 = time.perf_counter()
         mx.async_eval(res.positions, res.victims)
         t2 = time.perf_counter()
+        mx.synchronize()
         builds.append(t1 - t0)
         disps.append(t2 - t1)
+        waits.append(time.perf_counter() - t2)
+        if r == 0:
+            first = time.perf_counter() - t0
+            ref = plan._launch(*qs, *keys, lay_i, lay_f, pos, score, count, slot)
+            same = all(mx.array_equal(a, b).item() for a, b in zip(out, ref))
         pos, score, count, slot, lay_i = res.positions, res.score, res.count, res.victim, res.lay_i
-        mx.synchronize()
-    return {"build": statistics.median(builds[2:]) * 1e3,
-            "dispatch": statistics.median(disps[2:]) * 1e3}
+    return {"first": first * 1e3, "build": statistics.median(builds[2:]) * 1e3,
+            "dispatch": statistics.median(disps[2:]) * 1e3,
+            "wait": statistics.median(waits[2:]) * 1e3, "same": same}
+
+
+# MLX's build first: the cubin variants check their outputs against it.
+FOLD_LAUNCHES = [("mlx", False), ("mlx", True), ("cubin", False), ("cubin", True)]
 
 
 def best_wall(rs):
@@ -365,10 +390,12 @@ def main():
         print("op probe, dispatch (and build) ms per token (36 layers, idle GPU):",
               json.dumps({k: round(v, 3) for k, v in op_probe().items()}), flush=True)
         for bits in (None, 8):
-            for direct in (False, True):
-                res = fold_probe(bits=bits, direct=direct)
-                print(f"fold probe, ms per token (36 layers, bits={bits}, direct={direct}):",
-                      json.dumps({k: round(v, 3) for k, v in res.items()}), flush=True)
+            for kernel, compiled in FOLD_LAUNCHES:
+                res = fold_probe(bits=bits, kernel=kernel, compiled=compiled)
+                print(f"fold probe, ms per token (36 layers, bits={bits}, kernel={kernel}, "
+                      f"compiled={compiled}):", json.dumps(
+                          {k: round(v, 3) if isinstance(v, float) else v
+                           for k, v in res.items()}), flush=True)
     if args.ops_only:
         return
     if args.model:

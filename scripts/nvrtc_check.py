@@ -3,8 +3,8 @@
 Catches compile errors before GPU time is spent. Each (label, header, body) of
 mlx_h2o.kernels.build.all_sources("cuda") (and any other build.*_sources),
 each quantized attention kernel of kernels/quantized_gpu.py and the three
-kernels of kernels/queued.py (these also as kernels/cubin.py builds them to
-run precompiled), is wrapped as MLX
+kernels of kernels/queued.py (these and the group fold also as
+kernels/cubin.py builds them to run precompiled), is wrapped as MLX
 0.32.4's CUDA custom kernel builder does (mlx/backend/cuda/custom_kernel.cpp,
 build_kernel), with the template constants and dtypes the launch code passes,
 and compiled for sm_90 as MLX's JIT does (jit_module.cpp): MLX's device
@@ -227,9 +227,12 @@ def queue_fold_kernels(D: int, G: int) -> List[Kernel]:
             for kind in queued.KINDS for nt, kpt in queued.TILES]
 
 
-# Input ndims of the kernels that run precompiled (kernels/cubin.py): the queue fold.
+# Input ndims of the kernels that run precompiled (kernels/cubin.py): the queue
+# fold and the group fold (its per-layer queries q0.. and K buffers k0.. are 4-d).
+PRECOMPILED = ("qfold", "group")
 PRECOMPILED_NDIM = {"q": 4, "k": 4, "vis": 1, "prm_f": 1, "part": 4, "lse_in": 2,
-                    "score_in": 3, "count_in": 3}
+                    "score_in": 3, "count_in": 3, "lay_i": 2, "lay_f": 2, "pos_in": 3,
+                    "slot": 4, "pin": 2}
 MX_TYPES = {"float": "float32", "int32_t": "int32", "uint32_t": "uint32", "__half": "float16",
             "__nv_bfloat16": "bfloat16", "bool": "bool_"}
 
@@ -243,7 +246,8 @@ def precompiled(kernel: Kernel, dtype: str, func: str) -> str:
 
     tmpl = [(n, getattr(mx, v) if isinstance(v, str) else v) for n, v in kernel.template(dtype)]
     src = cubin.program(kernel.header, kernel.body,
-                        [(n, mx_type(n), PRECOMPILED_NDIM[n]) for n in kernel.inputs],
+                        [(n, mx_type(n), PRECOMPILED_NDIM[n.rstrip("0123456789")])
+                         for n in kernel.inputs],
                         [(n, mx_type(n)) for n in kernel.outputs], tmpl)
     return src.replace("H2O_PRECOMPILED_FUNC", func, 1)
 
@@ -378,7 +382,7 @@ def programs(args) -> List[tuple]:
         func = f"custom_kernel_h2o_check_{i}"
         out.append((f"{kernel.label} T={dtype}", func, wrap(kernel, dtype, func),
                     f"mlx::core::cu::{func}"))
-        if kernel.label.startswith("qfold"):  # also as it runs: precompiled
+        if kernel.label.startswith(PRECOMPILED):  # also as it runs: precompiled
             pre = f"h2o_check_precompiled_{i}"
             out.append((f"{kernel.label} T={dtype} precompiled", pre,
                         precompiled(kernel, dtype, pre), pre))

@@ -6,6 +6,7 @@ where this process has NVRTC loaded (MLX's CUDA backend); the launches run
 where CUDA is, against MLX's build of the same kernel.
 """
 
+import copy
 import warnings
 
 import mlx.core as mx
@@ -13,7 +14,9 @@ import numpy as np
 import pytest
 
 from mlx_h2o.kernels import cubin, queued
-from mlx_h2o.kernels.build import _kernel
+from mlx_h2o.kernels.build import _kernel, group_names, group_source
+from mlx_h2o.kernels.group_fold import group_plan, layer_params
+from mlx_h2o.kernels.packed import pack
 
 needs_cuda = pytest.mark.skipif(not cubin.available(), reason="needs CUDA with NVRTC")
 
@@ -137,3 +140,40 @@ def test_queue_fold_precompiled_equals_mlx_build(dtype, tmp_path, monkeypatch):
     want, got = mlx_built(**args)[0], ours(**args)[0]
     assert mx.array_equal(got, want, equal_nan=True).item()
     assert list(tmp_path.rglob("*.cubin"))  # kept for the next process
+
+
+@needs_cuda
+@pytest.mark.parametrize("bits", [None, 8])
+def test_group_fold_precompiled_equals_mlx_build(bits, tmp_path, monkeypatch):
+    """Two chained folds (the first slot as StepGroup stacks it, the next one the
+    kernel's victims): MLX's build and ours agree bit for bit, in one build."""
+    monkeypatch.setenv(cubin.CACHE_ENV, str(tmp_path))
+    rng = np.random.default_rng(3)
+    n, B, Hq, Hk, D, M, offset = 3, 2, 8, 2, 128, 96, 500
+
+    def normal(shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(mx.bfloat16)
+
+    qs, keys = [normal((B, Hq, 1, D)) for _ in range(n)], [normal((B, Hk, M, D)) for _ in range(n)]
+    if bits is not None:
+        keys = [pack(*[mx.quantize(k, group_size=64, bits=bits)] * 2) for k in keys]
+    pos = mx.broadcast_to(mx.arange(offset - 1 - M, offset - 1, dtype=mx.int32), (n * B, Hk, M))
+    meta = [pos + 0, mx.array(rng.uniform(size=pos.shape).astype(np.float32)), mx.ones(pos.shape)]
+    lay_i = mx.array([layer_params(offset, 4, M // 2, M, M)] * n, dtype=mx.int32)
+    lay_f = mx.array([[D ** -0.5, 0.95, 0.05, 0.0]] * n, mx.float32)
+    plan = group_plan(n, B, Hq, Hk, D, mx.bfloat16, M, "accumulated", (), bits, 64)
+    assert isinstance(plan.kernel, cubin.PrecompiledKernel)
+    ours, mlx_built = copy.copy(plan), copy.copy(plan)
+    ours.kernel = cubin.PrecompiledKernel(plan.kernel.name, *group_names(n, bits is not None),
+                                          *group_source("cuda", n, bits is not None),
+                                          fallback=None)
+    ours._run = mx.compile(ours._launch)
+    mlx_built.kernel = plan.kernel.fallback
+    slot = mx.zeros((n * B, Hk, 1, 1), mx.int32)
+    for _ in range(2):
+        want = mlx_built._launch(*qs, *keys, lay_i, lay_f, *meta, slot)
+        got = ours._run(*qs, *keys, lay_i, lay_f, *meta, slot)
+        for a, b in zip(got, want):
+            assert mx.array_equal(a, b).item()
+        meta, slot, lay_i = list(got[:3]), got[3], got[5]
+    assert slot.shape == (n * B, Hk, 1, D) and len(ours.kernel._built) == 1

@@ -138,7 +138,10 @@ class StepGroup:
 
         self._meta = [mx.concatenate([pad(getattr(c, name)) for c in caches], axis=0)
                       for name in ("_positions", "_score", "_count")]
-        self._slot = mx.concatenate([s[..., 0] if s.ndim == 4 else s for s in slots], axis=0)
+        # (n * B, Hk, 1, 1), 4-d as the kernel's victims that follow: a
+        # precompiled kernel is one build per input ndim (kernels/cubin.py).
+        self._slot = mx.concatenate([(s if s.ndim == 4 else s[..., None])[..., :1]
+                                     for s in slots], axis=0)
         self._stacked, self._ids = caches, frozenset(id(c) for c in caches)
         lay_i = [layer_params(0, c.config.sink_size, c.config.recent_budget, c._n,
                               c.kv.capacity) for c in caches]

@@ -7,6 +7,7 @@ from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
+from . import cubin
 from . import source as src
 
 MASK_KINDS = ("none", "causal", "bool", "add")
@@ -249,8 +250,10 @@ def _make_group_kernel(n_layers: int, quantized: bool = False):
     if backend is None:
         return None
     name = f"h2o_group{'q' if quantized else ''}{n_layers}"
-    # MLX builds it in every process (~1.5-2 s at the first evicting step).
-    # Launched precompiled (kernels/cubin.py) it built in ~0.3 s, but an H2O
-    # token's build took 2.27 ms instead of 1.80 (docs/GPU.md, session 17).
-    return _kernel(backend, name, group_names(n_layers, quantized),
-                   *group_source(backend, n_layers, quantized), contiguous=True)
+    names, source = group_names(n_layers, quantized), group_source(backend, n_layers, quantized)
+    made = _kernel(backend, name, names, *source, contiguous=True)
+    if backend == "cuda" and cubin.available():
+        # Built once per machine, not by MLX in every process (~2 s at a
+        # process's first evicting step; docs/GPU.md, session 18).
+        return cubin.PrecompiledKernel(name, *names, *source, fallback=made)
+    return made

@@ -12,6 +12,7 @@ from typing import List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
+from . import cubin
 from .build import SCORE_MODES, _make_group_kernel, gpu_backend
 from .decode import DTYPES, NT
 from .h2o_step import _pins, params_row
@@ -58,9 +59,12 @@ def layer_params(offset: int, sink_size: int, recent_budget: int, valid: int, ca
 
 
 class GroupPlan:
-    """The group fold for fixed shapes and settings. Launched directly: with
-    ~80 inputs and ~40 outputs, mx.compile's replay cost more host time than
-    the kernel call (`scripts/gpu_split.py --ops-only`, docs/GPU.md)."""
+    """The group fold for fixed shapes and settings. MLX's build is launched
+    directly: with ~80 inputs and ~40 outputs, mx.compile's replay cost more
+    host time than the kernel call (H100, session 7). Ours (kernels/cubin.py)
+    runs under mx.compile, which turns the cubin and the ~80 shape scalars into
+    a launch once, at the trace: direct, that conversion on every call cost
+    ~0.03 ms a token more (`scripts/gpu_split.py --ops-only`, docs/GPU.md)."""
 
     def __init__(self, n, B, Hq, Hk, D, dtype, M, mode, pinned, bits=None, group_size=64):
         self.n, self.B, self.Hq, self.Hk, self.D, self.M = n, B, Hq, Hk, D, M
@@ -73,9 +77,11 @@ class GroupPlan:
         if quantized:
             self.template += [("BITS", bits), ("GS", group_size)]
         self.pins = _pins(pinned)
+        precompiled = isinstance(self.kernel, cubin.PrecompiledKernel)
+        self._run = mx.compile(self._launch) if precompiled else self._launch
 
     def __call__(self, queries, keys, lay_i, lay_f, positions, score, count, slot) -> GroupFold:
-        res = self._launch(*queries, *keys, lay_i, lay_f, positions, score, count, slot)
+        res = self._run(*queries, *keys, lay_i, lay_f, positions, score, count, slot)
         return GroupFold(*res[:6], list(res[6:]))
 
     def _launch(self, *arrays):
