@@ -3,7 +3,7 @@
 Catches compile errors before GPU time is spent. Each (label, header, body) of
 mlx_h2o.kernels.build.all_sources("cuda") (and any other build.*_sources),
 each quantized attention kernel of kernels/quantized_gpu.py and the three
-kernels of kernels/queued.py (these and the group fold also as
+kernels of kernels/queued.py (these, the folds and the K/V writes also as
 kernels/cubin.py builds them to run precompiled), is wrapped as MLX
 0.32.4's CUDA custom kernel builder does (mlx/backend/cuda/custom_kernel.cpp,
 build_kernel), with the template constants and dtypes the launch code passes,
@@ -227,12 +227,14 @@ def queue_fold_kernels(D: int, G: int) -> List[Kernel]:
             for kind in queued.KINDS for nt, kpt in queued.TILES]
 
 
-# Input ndims of the kernels that run precompiled (kernels/cubin.py): the queue
-# fold and the group fold (its per-layer queries q0.. and K buffers k0.. are 4-d).
-PRECOMPILED = ("qfold", "group")
-PRECOMPILED_NDIM = {"q": 4, "k": 4, "vis": 1, "prm_f": 1, "part": 4, "lse_in": 2,
-                    "score_in": 3, "count_in": 3, "lay_i": 2, "lay_f": 2, "pos_in": 3,
-                    "slot": 4, "pin": 2}
+# Input ndims of the kernels that run precompiled (kernels/cubin.py: build._built_once);
+# the group fold's per-layer queries q0.. and K buffers k0.. are 4-d.
+PRECOMPILED = ("qfold", "group", "fold", "kvwrite")
+PRECOMPILED_NDIM = {"q": 4, "k": 4, "v": 4, "vis": 1, "prm_f": 1, "prm_i": 1, "part": 4,
+                    "lse_in": 2, "score_in": 3, "count_in": 3, "lay_i": 2, "lay_f": 2,
+                    "pos_in": 3, "slot": 4, "pin": 2, "logits": 4, "lse": 3,
+                    **dict.fromkeys(("kn", "vn", "idx", "kw", "ks", "kb", "vw", "vs", "vb",
+                                     "kv"), 4)}
 MX_TYPES = {"float": "float32", "int32_t": "int32", "uint32_t": "uint32", "__half": "float16",
             "__nv_bfloat16": "bfloat16", "bool": "bool_"}
 

@@ -148,6 +148,16 @@ def _kernel(backend: str, name: str, names, header: str, body: str, contiguous=F
     )
 
 
+def _built_once(backend: str, name: str, names, header: str, body: str):
+    """A kernel whose inputs are made row-contiguous: on CUDA built once per
+    machine (kernels/cubin.py; MLX builds its own in every process, ~1.5 s a
+    kernel at first use), elsewhere as ``_kernel`` builds it."""
+    made = _kernel(backend, name, names, header, body, contiguous=True)
+    if backend == "cuda" and cubin.available():
+        return cubin.PrecompiledKernel(name, *names, header, body, fallback=made)
+    return made
+
+
 @lru_cache(maxsize=None)
 def _make_pass1_kernel(mask: str, sinks: bool, split: bool, fused: bool):
     """Pass-1 kernel for these flags, or None without a GPU backend. Built for
@@ -185,7 +195,7 @@ def _make_fold_kernel():
     backend = gpu_backend()
     if backend is None:
         return None
-    return _kernel(backend, "h2o_fold", fold_names(), *fold_source(backend), contiguous=True)
+    return _built_once(backend, "h2o_fold", fold_names(), *fold_source(backend))
 
 
 def all_sources(backend: str) -> List[Tuple[str, str, str]]:
@@ -249,11 +259,7 @@ def _make_group_kernel(n_layers: int, quantized: bool = False):
     backend = gpu_backend()
     if backend is None:
         return None
-    name = f"h2o_group{'q' if quantized else ''}{n_layers}"
-    names, source = group_names(n_layers, quantized), group_source(backend, n_layers, quantized)
-    made = _kernel(backend, name, names, *source, contiguous=True)
-    if backend == "cuda" and cubin.available():
-        # Built once per machine, not by MLX in every process (~2 s at a
-        # process's first evicting step; docs/GPU.md, session 18).
-        return cubin.PrecompiledKernel(name, *names, *source, fallback=made)
-    return made
+    # Precompiled: no ~2 s build at a CUDA process's first evicting step.
+    return _built_once(backend, f"h2o_group{'q' if quantized else ''}{n_layers}",
+                       group_names(n_layers, quantized),
+                       *group_source(backend, n_layers, quantized))

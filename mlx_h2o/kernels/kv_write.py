@@ -34,7 +34,7 @@ from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
-from .build import _digest, _prelude, gpu_backend
+from .build import _built_once, _prelude, gpu_backend
 from .decode import DTYPES
 from .packed import row_words
 from .quantized_reference import BITS, GROUP_SIZES
@@ -207,12 +207,9 @@ def _make_write_kernel(quantized: bool, dense_out: bool = True, packed: bool = F
     backend = gpu_backend()
     if backend is None:
         return None
-    header, body = source(backend, quantized, dense_out, packed)
-    inputs, outputs = names(quantized, dense_out, packed)
     kind = f"{'p' if packed else 'q'}{int(dense_out)}" if quantized else "d"
-    make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
-    return make(name=f"h2o_kvwrite_{kind}_{_digest(header, body)}", input_names=inputs,
-                output_names=outputs, source=body, header=header, ensure_row_contiguous=True)
+    return _built_once(backend, f"h2o_kvwrite_{kind}", names(quantized, dense_out, packed),
+                       *source(backend, quantized, dense_out, packed))
 
 
 def write_supported(keys: mx.array, values: mx.array, index: mx.array,

@@ -26,8 +26,7 @@ from typing import Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from . import cubin
-from .build import _kernel, _prelude, gpu_backend
+from .build import _built_once, _prelude, gpu_backend
 from .decode import DTYPES, params_f
 
 # (NT threads, KPT keys per thread): a block covers NT * KPT = 128 slots,
@@ -269,12 +268,9 @@ def _make_pass_kernel(kind: str, tile: Tuple[int, int] = TILE):
     backend = gpu_backend()
     if backend is None:
         return None
-    name, source = f"h2o_qfold_{kind}", pass_source(backend, kind, tile)
-    made = _kernel(backend, name, pass_names(kind), *source, contiguous=True)
-    if backend == "cuda" and cubin.available():
-        # Built once per machine, not by MLX in every process (~4 s a first fold).
-        return cubin.PrecompiledKernel(name, *pass_names(kind), *source, fallback=made)
-    return made
+    # Precompiled: no ~4 s of builds at a CUDA process's first fold.
+    return _built_once(backend, f"h2o_qfold_{kind}", pass_names(kind),
+                       *pass_source(backend, kind, tile))
 
 
 def queue_fold_supported(queries: mx.array, keys: mx.array, queued: int = 0) -> bool:
