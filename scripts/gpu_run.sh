@@ -1,7 +1,7 @@
 #!/bin/sh
 # One device call: install MLX CUDA (if given), then check and time the kernels.
 #
-#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|ab|tune|tpk8|tpk16|gfold|gfold_ab|pytest|tests|sweep|qfold|qtile|model|realmodel|ptx]...
+#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|ab|tune|tpk8|tpk16|gfold|fprobe|gfold_ab|pytest|tests|sweep|qfold|qtile|model|realmodel|ptx]...
 #
 # "install" expects .gpu/part1 already copied to /root/mlxw (previous call) and
 # .gpu/part2 and .gpu/lib (mlx_lm) carried now; "ensure" reuses a warm install.
@@ -75,14 +75,15 @@ for step in "$@"; do
         python3 scripts/bench_kernels.py --repeats 3 --dims 80 96 --lanes-per-key $t 2>&1 \
           | tee -a "$OUT/bench_d8096_tpk$t.log" | grep -v "^{" || status=1
       done ;;
-    gfold)  # the group fold run precompiled (session 18): first evicting step with
-            # its cubin built / read back / MLX's build, the fold probe, decode A/B
+    gfold)  # first decode steps ($STRATEGY) with our cubins built / read back /
+            # MLX's builds (session 18)
       for run in built cached mlx; do
         [ $run = mlx ] && export MLX_H2O_CUBIN_CACHE=0
-        python3 scripts/gpu_step_times.py --strategy h2o_evict_256 --steps 64 2>&1 \
-          | tee "$OUT/step_times_$run.log" || status=1
+        python3 scripts/gpu_step_times.py --strategy ${STRATEGY:-h2o_evict_256} --steps 64 \
+          2>&1 | tee "$OUT/step_times_$run.log" || status=1
         unset MLX_H2O_CUBIN_CACHE
-      done
+      done ;;
+    fprobe)  # the group fold's host cost, MLX's build / ours, direct / compiled
       python3 scripts/gpu_split.py --ops-only 2>&1 | grep "fold probe" | tee "$OUT/fold_probe.log" ;;
     gfold_ab)  # the wired cache's GPU check, then decode with either group fold, interleaved
       timeout 560 python3 scripts/gpu_cache_check.py --rounds ${ROUNDS:-8} --variants mlxfold \

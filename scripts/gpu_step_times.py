@@ -22,6 +22,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 import mlx_h2o
 from mlx_h2o import H2OConfig, make_h2o_cache
+from mlx_h2o.cache import QuantConfig, quantized_cache_type
 from mlx_h2o.eval.bench import random_model
 
 
@@ -42,6 +43,9 @@ def make_cache(strategy, model, context):
         return make_h2o_cache(model, H2OConfig(max_size=context + 4096))
     if strategy == "h2o_evict_256":
         return make_h2o_cache(model, H2OConfig(max_size=256, heavy_budget=128))
+    if strategy == "h2o_q8_evict_256":
+        return make_h2o_cache(model, H2OConfig(max_size=256, heavy_budget=128),
+                              cache_type=quantized_cache_type(QuantConfig(8, 64)))
     raise ValueError(f"unknown strategy {strategy!r}")
 
 
@@ -50,7 +54,8 @@ def main():
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--strategy", default="h2o_no_evict",
-                   choices=["kvcache", "rotating_256", "h2o_no_evict", "h2o_evict_256"])
+                   choices=["kvcache", "rotating_256", "h2o_no_evict", "h2o_evict_256",
+                            "h2o_q8_evict_256"])
     p.add_argument("--jit-dir", default="/tmp/mlx")
     p.add_argument("--model", default="qwen3-8b", help="a random config (eval/bench.py)")
     args = p.parse_args()
