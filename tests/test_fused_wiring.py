@@ -84,15 +84,10 @@ def emulated_plan(queries, keys, positions, mask, sinks, *, mode, alpha, scale, 
     return step
 
 
-@pytest.fixture(autouse=True)
-def on_cpu():
-    """The emulations stand in for the GPU kernels: on a GPU machine the real
-    fold kernel would otherwise serve the op-by-op reference (12 cases differed
-    there in float rounding and ties), so every case runs on the CPU device."""
-    old = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(old)
+# The emulations stand in for the GPU kernels: on a GPU machine the real fold
+# kernel would otherwise serve the op-by-op reference (12 cases differed there
+# in float rounding and ties), so every case runs on the CPU device.
+pytestmark = pytest.mark.usefixtures("on_cpu")
 
 
 @pytest.fixture

@@ -19,6 +19,9 @@ from mlx_h2o.cache import (
 )
 from mlx_h2o.cache import quantized as quantized_module
 
+# On a GPU machine the op-by-op side would take the fused kernel step (which
+# carries a victim too): both sides run on the CPU device.
+pytestmark = pytest.mark.usefixtures("on_cpu")
 D, HQ, HK = 16, 6, 2
 STREAM = [7] + [1] * 40 + [9] + [1] * 30
 
