@@ -84,7 +84,9 @@ for step in "$@"; do
         unset MLX_H2O_CUBIN_CACHE
       done ;;
     fprobe)  # the group fold's host cost, MLX's build / ours, direct / compiled
-      python3 scripts/gpu_split.py --ops-only 2>&1 | grep "fold probe" | tee "$OUT/fold_probe.log" ;;
+      for i in 1 2; do  # two processes: the second finds our cubins on disk
+        python3 scripts/gpu_split.py --ops-only 2>&1 | grep "fold probe" | tee -a "$OUT/fold_probe.log"
+      done ;;
     gfold_ab)  # the wired cache's GPU check, then decode with either group fold, interleaved
       timeout 560 python3 scripts/gpu_cache_check.py --rounds ${ROUNDS:-8} --variants mlxfold \
         2>&1 | tee "$OUT/cache_check_mlxfold.log" || status=1 ;;

@@ -306,12 +306,14 @@ def op_probe(layers=36, n=256, reps=20):
 def fold_launch(plan, kernel="mlx", compiled=False):
     """The plan's launch with MLX's build of its kernel or ours (``cubin``:
     kernels/cubin.py, built once per machine), optionally under mx.compile."""
+    plan = copy.copy(plan)
+    made = getattr(plan.kernel, "fallback", plan.kernel)  # MLX's build
+    plan.kernel = made
     if kernel == "cubin":
         quantized = plan.VD == 1
-        plan = copy.copy(plan)
         plan.kernel = cubin.PrecompiledKernel(
             f"h2o_group{'q' if quantized else ''}{plan.n}", *group_names(plan.n, quantized),
-            *group_source("cuda", plan.n, quantized), fallback=plan.kernel)
+            *group_source("cuda", plan.n, quantized), fallback=made)
     return mx.compile(plan._launch) if compiled else plan._launch
 
 
@@ -350,7 +352,7 @@ def fold_probe(layers=36, M=256, reps=20, bits=None, kernel="mlx", compiled=Fals
         waits.append(time.perf_counter() - t2)
         if r == 0:
             first = time.perf_counter() - t0
-            ref = plan._launch(*qs, *keys, lay_i, lay_f, pos, score, count, slot)
+            ref = fold_launch(plan)(*qs, *keys, lay_i, lay_f, pos, score, count, slot)
             same = all(mx.array_equal(a, b).item() for a, b in zip(out, ref))
         pos, score, count, slot, lay_i = res.positions, res.score, res.count, res.victim, res.lay_i
     return {"first": first * 1e3, "build": statistics.median(builds[2:]) * 1e3,
