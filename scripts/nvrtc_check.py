@@ -3,8 +3,8 @@
 Catches compile errors before GPU time is spent. Each (label, header, body) of
 mlx_h2o.kernels.build.all_sources("cuda") (and any other build.*_sources),
 each quantized attention kernel of kernels/quantized_gpu.py and the three
-kernels of kernels/queued.py (these, the folds and the K/V writes also as
-kernels/cubin.py builds them to run precompiled), is wrapped as MLX
+kernels of kernels/queued.py (these, the folds, the K/V writes and the fused
+step's passes also as kernels/cubin.py builds them to run precompiled), is wrapped as MLX
 0.32.4's CUDA custom kernel builder does (mlx/backend/cuda/custom_kernel.cpp,
 build_kernel), with the template constants and dtypes the launch code passes,
 and compiled for sm_90 as MLX's JIT does (jit_module.cpp): MLX's device
@@ -227,12 +227,18 @@ def queue_fold_kernels(D: int, G: int) -> List[Kernel]:
             for kind in queued.KINDS for nt, kpt in queued.TILES]
 
 
-# Input ndims of the kernels that run precompiled (kernels/cubin.py: build._built_once);
-# the group fold's per-layer queries q0.. and K buffers k0.. are 4-d.
-PRECOMPILED = ("qfold", "group", "fold", "kvwrite")
+# Input ndims of the kernels that run precompiled (kernels/cubin.py: build._built_once,
+# and the fused step's steady launch); the group fold's per-layer queries q0.. and K
+# buffers k0.. are 4-d.
+def runs_precompiled(label: str) -> bool:
+    return (label.startswith(("qfold", "group", "fold", "kvwrite"))
+            or (label.startswith(("pass1", "pass2")) and "fused=True" in label))
+
+
 PRECOMPILED_NDIM = {"q": 4, "k": 4, "v": 4, "vis": 1, "prm_f": 1, "prm_i": 1, "part": 4,
                     "lse_in": 2, "score_in": 3, "count_in": 3, "lay_i": 2, "lay_f": 2,
-                    "pos_in": 3, "slot": 4, "pin": 2, "logits": 4, "lse": 3,
+                    "pos_in": 3, "slot": 4, "pin": 2, "logits": 4, "lse": 3, "mask": 4,
+                    "sinks": 1, "part_o": 4, "part_ml": 4,
                     **dict.fromkeys(("kn", "vn", "idx", "kw", "ks", "kb", "vw", "vs", "vb",
                                      "kv"), 4)}
 MX_TYPES = {"float": "float32", "int32_t": "int32", "uint32_t": "uint32", "__half": "float16",
@@ -384,7 +390,7 @@ def programs(args) -> List[tuple]:
         func = f"custom_kernel_h2o_check_{i}"
         out.append((f"{kernel.label} T={dtype}", func, wrap(kernel, dtype, func),
                     f"mlx::core::cu::{func}"))
-        if kernel.label.startswith(PRECOMPILED):  # also as it runs: precompiled
+        if runs_precompiled(kernel.label):  # also as it runs: precompiled
             pre = f"h2o_check_precompiled_{i}"
             out.append((f"{kernel.label} T={dtype} precompiled", pre,
                         precompiled(kernel, dtype, pre), pre))

@@ -16,6 +16,7 @@ import pytest
 from mlx_h2o.kernels import cubin, queued
 from mlx_h2o.kernels.build import _kernel, group_names, group_source
 from mlx_h2o.kernels.group_fold import group_plan, layer_params
+from mlx_h2o.kernels.h2o_step import step_params, step_plan
 from mlx_h2o.kernels.packed import pack
 
 needs_cuda = pytest.mark.skipif(not cubin.available(), reason="needs CUDA with NVRTC")
@@ -177,3 +178,30 @@ def test_group_fold_precompiled_equals_mlx_build(bits, tmp_path, monkeypatch):
             assert mx.array_equal(a, b).item()
         meta, slot, lay_i = list(got[:3]), got[3], got[5]
     assert slot.shape == (n * B, Hk, 1, D) and len(ours.kernel._built) == 1
+
+
+@needs_cuda
+@pytest.mark.parametrize("cap", [40, 5000])  # one pass / split over the keys
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_fused_step_precompiled_equals_mlx_build(cap, dtype, tmp_path, monkeypatch):
+    """A StepPlan's steady launch (whole buffers) runs our cubins: the same
+    outputs as MLX's build of the same kernels, bit for bit."""
+    monkeypatch.setenv(cubin.CACHE_ENV, str(tmp_path))
+    rng = np.random.default_rng(5)
+    B, Hq, Hk, D = 2, 8, 2, 64
+    plan = step_plan(B, Hq, Hk, D, dtype, cap, "none", 0, "accumulated", 0.95, D ** -0.5,
+                     2, 8, ((3, 5),), None, False)
+    assert all(isinstance(k, cubin.PrecompiledKernel) for k in plan.steady_kernels)
+    assert (plan.splits(cap) > 1) == (cap > 1000)
+
+    def normal(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+    positions = mx.broadcast_to(mx.arange(cap, dtype=mx.int32), (B, Hk, cap)) + 0
+    score = mx.array(rng.uniform(size=(B, Hk, cap)).astype(np.float32))
+    arrays = (normal(B, Hq, 1, D), normal(B, Hk, cap, D), normal(B, Hk, cap, D), positions,
+              score, mx.ones((B, Hk, cap)), mx.zeros((B, Hk, 1, D), mx.int32),
+              step_params(cap + 1, None, plan.tail, cap))
+    got, want = plan._steady(*arrays), plan._launch(*arrays)
+    for a, b in zip(got, want):
+        assert mx.array_equal(a, b).item()

@@ -198,6 +198,31 @@ def _make_fold_kernel():
     return _built_once(backend, "h2o_fold", fold_names(), *fold_source(backend))
 
 
+@lru_cache(maxsize=None)
+def _make_pass1_precompiled(mask: str, sinks: bool, split: bool, fused: bool):
+    """``_make_pass1_kernel``'s kernel built once per machine (kernels/cubin.py)
+    for calls whose inputs are all row-contiguous, such as a cache's whole
+    buffers (MLX's build reads strided views in place); None where cubins are
+    not built (no CUDA, no NVRTC)."""
+    made = _make_pass1_kernel(mask, sinks, split, fused)
+    if gpu_backend() != "cuda" or not cubin.available():
+        return None
+    flags = f"{mask}_{int(sinks and not split)}{int(split)}{int(fused)}"
+    return cubin.PrecompiledKernel(f"h2o_attn1_{flags}", *pass1_names(mask, sinks, split, fused),
+                                   *pass1_source("cuda", mask, sinks, split, fused), fallback=made)
+
+
+@lru_cache(maxsize=None)
+def _make_pass2_precompiled(sinks: bool, fused: bool):
+    """``_make_pass2_kernel``'s kernel built once per machine, as pass 1's."""
+    made = _make_pass2_kernel(sinks, fused)
+    if gpu_backend() != "cuda" or not cubin.available():
+        return None
+    return cubin.PrecompiledKernel(f"h2o_attn2_{int(sinks)}{int(fused)}",
+                                   *pass2_names(sinks, fused), *pass2_source("cuda", sinks, fused),
+                                   fallback=made)
+
+
 def all_sources(backend: str) -> List[Tuple[str, str, str]]:
     """(label, header, body) of every kernel variant, for compile checks."""
     out = []

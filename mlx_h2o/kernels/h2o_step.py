@@ -5,7 +5,10 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .build import SCORE_MODES, _make_fold_kernel, _make_pass1_kernel, _make_pass2_kernel
+from .build import (
+    SCORE_MODES, _make_fold_kernel, _make_pass1_kernel, _make_pass1_precompiled,
+    _make_pass2_kernel, _make_pass2_precompiled,
+)
 from .build import gpu_backend
 from . import decode
 from .decode import NT, MAX_SPLITS, Mask, choose_splits, layout, mask_mode
@@ -94,15 +97,26 @@ class StepPlan:
         self.state_shapes = [(B, Hk, cap)] * 3 + [(B, Hk, 1, D)]
         self.state_dtypes = [i32, f32, f32, i32]
         self.out_dtype = dtype
-        self.single = _make_pass1_kernel(kind, has_sinks, False, True)
-        self.split = _make_pass1_kernel(kind, has_sinks, True, True)
-        self.merge = _make_pass2_kernel(has_sinks, True)
+        self.kernels = (_make_pass1_kernel(kind, has_sinks, False, True),
+                        _make_pass1_kernel(kind, has_sinks, True, True),
+                        _make_pass2_kernel(has_sinks, True))
         self.cap = cap
         self._splits = {}
         # A full cache (N == cap) calls with the same shapes every step: a
         # compiled launch replays its graph instead of rebuilding the kernel
-        # call (~35 us of host time per call on the H100, docs/GPU.md).
-        self._steady = mx.compile(self._launch)
+        # call (~35 us of host time per call on the H100, docs/GPU.md). Its
+        # inputs are whole buffers, row-contiguous: on CUDA it runs kernels
+        # built once per machine, not MLX's builds of every process (~1.5-2.5 s
+        # at a process's first decode step, docs/GPU.md session 18).
+        whole = (_make_pass1_precompiled(kind, has_sinks, False, True),
+                 _make_pass1_precompiled(kind, has_sinks, True, True),
+                 _make_pass2_precompiled(has_sinks, True))
+        self.steady_kernels = whole if all(whole) else self.kernels
+
+        def steady(*arrays):
+            return self._launch(*arrays, kernels=self.steady_kernels)
+
+        self._steady = mx.compile(steady)
 
     def splits(self, N: int) -> int:
         S = self._splits.get(N)
@@ -128,16 +142,18 @@ class StepPlan:
         return H2OStep(*self._launch(*arrays, mask=mask, num_splits=num_splits, poison=poison))
 
     def _launch(self, q, k, v, positions, score, count, slot, prm_i, sinks=None, *,
-                mask=None, num_splits=None, poison=None):
-        """The kernel launches: (out, positions, score, count, victim, logits, lse)."""
+                mask=None, num_splits=None, poison=None, kernels=None):
+        """The kernel launches: (out, positions, score, count, victim, logits,
+        lse); ``kernels``: (single, split, merge), default MLX's builds."""
         B, Hq, Hk, D, G = self.shape
+        single, split, merge = kernels or self.kernels
         N = k.shape[2]
         S = min(max(num_splits, 1), MAX_SPLITS) if num_splits else self.splits(N)
         head = [q, k, v, self.prm]
         head += [mask] if self.kind in ("bool", "add") else []
         f32, lay, NT_ = mx.float32, self.lay, NT
         if S == 1:
-            res = self.single(
+            res = single(
                 inputs=head + ([sinks] if self.has_sinks else [])
                 + [positions, slot, prm_i, score, count, self.pins],
                 template=self.tmpl1, grid=(self.units * NT_, 1, 1), threadgroup=(NT_, 1, 1),
@@ -147,13 +163,13 @@ class StepPlan:
             )
             out, logits, lse, pos, sc, cn, victim = res
             return out, pos, sc, cn, victim, logits, lse
-        logits, part_o, part_ml = self.split(
+        logits, part_o, part_ml = split(
             inputs=head + [positions, slot, prm_i], template=self.tmpl1,
             grid=(self.units * NT_, S, 1), threadgroup=(NT_, 1, 1),
             output_shapes=[(B, Hq, 1, N), (self.units, S, lay.R, D), (self.units, S, lay.R, 2)],
             output_dtypes=[f32, f32, f32], init_value=poison,
         )
-        res = self.merge(
+        res = merge(
             inputs=[part_o, part_ml] + ([sinks] if self.has_sinks else [])
             + [logits, positions, score, count, slot, prm_i, self.prm, self.pins],
             template=self.tmpl2, grid=(B * Hk * NT_, 1, 1), threadgroup=(NT_, 1, 1),
