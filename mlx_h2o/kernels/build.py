@@ -165,13 +165,13 @@ def _make_pass1_kernel(mask: str, sinks: bool, split: bool, fused: bool):
     backend = device_backend()
     if backend is None:
         return None
-    header, body = pass1_source(backend, mask, sinks, split, fused)
-    sinks = sinks and not split
-    flags = f"{mask}_{int(sinks)}{int(split)}{int(fused)}"
-    return _kernel(
-        backend, f"h2o_attn1_{flags}", pass1_names(mask, sinks, split, fused),
-        header, body,
-    )
+    return _kernel(backend, _pass1_name(mask, sinks, split, fused),
+                   pass1_names(mask, sinks, split, fused),
+                   *pass1_source(backend, mask, sinks, split, fused))
+
+
+def _pass1_name(mask: str, sinks: bool, split: bool, fused: bool) -> str:
+    return f"h2o_attn1_{mask}_{int(sinks and not split)}{int(split)}{int(fused)}"
 
 
 @lru_cache(maxsize=None)
@@ -181,11 +181,8 @@ def _make_pass2_kernel(sinks: bool, fused: bool):
     backend = device_backend()
     if backend is None:
         return None
-    header, body = pass2_source(backend, sinks, fused)
-    return _kernel(
-        backend, f"h2o_attn2_{int(sinks)}{int(fused)}", pass2_names(sinks, fused),
-        header, body,
-    )
+    return _kernel(backend, f"h2o_attn2_{int(sinks)}{int(fused)}", pass2_names(sinks, fused),
+                   *pass2_source(backend, sinks, fused))
 
 
 @lru_cache(maxsize=None)
@@ -207,8 +204,8 @@ def _make_pass1_precompiled(mask: str, sinks: bool, split: bool, fused: bool):
     made = _make_pass1_kernel(mask, sinks, split, fused)
     if gpu_backend() != "cuda" or not cubin.available():
         return None
-    flags = f"{mask}_{int(sinks and not split)}{int(split)}{int(fused)}"
-    return cubin.PrecompiledKernel(f"h2o_attn1_{flags}", *pass1_names(mask, sinks, split, fused),
+    return cubin.PrecompiledKernel(_pass1_name(mask, sinks, split, fused),
+                                   *pass1_names(mask, sinks, split, fused),
                                    *pass1_source("cuda", mask, sinks, split, fused), fallback=made)
 
 
