@@ -57,18 +57,20 @@ def check_correctness(dtype, max_size=64, steps=150):
     # attention) may read with fewer (decode.lanes_per_key), which rounds
     # differently. Pinned to 32, the two must agree bit for bit.
     decode.LANES_PER_KEY = 32
-    for path in ("group", "fused", "ops"):
-        cache = make_h2o_cache(model, cfg)
-        for c in cache:
-            c.use_fused_step = path != "ops"
-            if path != "group":
-                c._group = None  # per-layer steps: the fused launch, or op by op
-        out = teacher_forced(model, cache, tokens, 100)
-        taken = (all(c._plan is not None for c in cache) if path == "fused" else
-                 all(c._group is not None and c._group._stacked is not None for c in cache)
-                 if path == "group" else all(c._plan is None for c in cache))
-        runs[path] = (out, cache, taken)
-    decode.LANES_PER_KEY = 0
+    try:
+        for path in ("group", "fused", "ops"):
+            cache = make_h2o_cache(model, cfg)
+            for c in cache:
+                c.use_fused_step = path != "ops"
+                if path != "group":
+                    c._group = None  # per-layer steps: the fused launch, or op by op
+            out = teacher_forced(model, cache, tokens, 100)
+            taken = (all(c._plan is not None for c in cache) if path == "fused" else
+                     all(c._group is not None and c._group._stacked is not None for c in cache)
+                     if path == "group" else all(c._plan is None for c in cache))
+            runs[path] = (out, cache, taken)
+    finally:
+        decode.LANES_PER_KEY = 0
     b, cb, _ = runs["ops"]
     kept_ref = [np.sort(np.array(c.positions[..., : c.size()]), -1) for c in cb]
     ok = True
