@@ -92,7 +92,7 @@ pytestmark = pytest.mark.usefixtures("on_cpu")
 
 @pytest.fixture
 def emulated_kernel(monkeypatch):
-    monkeypatch.setattr(steps_module, "_on_gpu", lambda: True)
+    monkeypatch.setattr(steps_module, "runs_on_gpu", lambda: True)
     monkeypatch.setattr(steps_module, "h2o_step_supported", lambda *a, **k: True)
     monkeypatch.setattr(steps_module, "make_plan", emulated_plan)
 
@@ -162,7 +162,7 @@ def test_deferred_metadata_on_the_op_by_op_path(emulated_kernel, monkeypatch, wi
 @pytest.fixture
 def emulated_fold_kernel(monkeypatch):
     # A GPU as the cache sees it: decode metadata is deferred to the kernels.
-    monkeypatch.setattr(steps_module, "_on_gpu", lambda: True)
+    monkeypatch.setattr(steps_module, "runs_on_gpu", lambda: True)
     monkeypatch.setattr(h2o_module, "fold_step_supported", lambda *a, **k: True)
     monkeypatch.setattr(steps_module, "h2o_fold_step", emulated_fold)
 

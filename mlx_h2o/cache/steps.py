@@ -8,7 +8,7 @@ token for a group of layers (cache/group.py); on the CPU, one compiled call
 
 import mlx.core as mx
 
-from ..kernels import H2OFold, gpu_backend, h2o_fold_step, h2o_step_supported, make_plan
+from ..kernels import H2OFold, h2o_fold_step, h2o_step_supported, make_plan, runs_on_gpu
 from .ops_step import compiled_fill, compiled_step, zone_arrays
 from .quantized_storage import QuantizedKV
 from .storage import DenseKV
@@ -58,10 +58,10 @@ class DecodeSteps:
 
     # --- fused GPU decode step ---------------------------------------------------
     def _may_fold(self) -> bool:
-        return self.fold_on_gpu and _on_gpu()
+        return self.fold_on_gpu and runs_on_gpu()
 
     def _may_fuse(self) -> bool:
-        return self.use_fused_step and type(self.kv) is DenseKV and _on_gpu()
+        return self.use_fused_step and type(self.kv) is DenseKV and runs_on_gpu()
 
     def _fused_plan(self, queries, keys, values, scale, mask, sinks):
         """The fused step's StepPlan for this call, or None (op-by-op path)."""
@@ -174,9 +174,3 @@ class DecodeSteps:
     def _fill_inputs(self):
         """K / V as the compiled fill step reads them: the whole buffers."""
         return self.kv.keys, self.kv.values
-
-
-def _on_gpu() -> bool:
-    """The kernels' backend is there and this step runs on it (not on a CUDA
-    or Metal machine's CPU device, where the compiled CPU steps serve)."""
-    return gpu_backend() is not None and mx.default_device() == mx.gpu

@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 import mlx.core as mx
 
 from . import reference
-from .build import gpu_backend
+from .build import gpu_backend, runs_on_gpu
 from .decode import decode_attention, supported
 from .h2o_step import H2OFold, H2OStep, fold_step_supported, h2o_decode_step
 from .h2o_step import h2o_fold_step, h2o_step_supported, make_plan
@@ -63,5 +63,6 @@ __all__ = [
     "make_plan",
     "queue_fold",
     "queue_fold_supported",
+    "runs_on_gpu",
     "scaled_dot_product_attention_with_scores",
 ]

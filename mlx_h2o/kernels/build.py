@@ -41,6 +41,12 @@ def gpu_backend() -> Optional[str]:
     return backend
 
 
+def runs_on_gpu() -> bool:
+    """Our kernels' backend is there and work runs on its device (not on a
+    CUDA or Metal machine's CPU device, where the CPU paths serve)."""
+    return gpu_backend() is not None and mx.default_device() == mx.gpu
+
+
 def _prelude(backend: str) -> Tuple[str, str]:
     if backend == "cuda":
         return src.CUDA_HEADER, src.CUDA_IDS

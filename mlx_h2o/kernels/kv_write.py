@@ -34,7 +34,7 @@ from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
-from .build import _built_once, _prelude, gpu_backend
+from .build import _built_once, _prelude, gpu_backend, runs_on_gpu
 from .decode import DTYPES
 from .packed import row_words
 from .quantized_reference import BITS, GROUP_SIZES
@@ -218,7 +218,7 @@ def write_supported(keys: mx.array, values: mx.array, index: mx.array,
     B, Hk, L, D = keys.shape
     quant_ok = bits is None or (bits in BITS and group_size in GROUP_SIZES
                                 and D % group_size == 0)
-    return (gpu_backend() is not None and mx.default_device() == mx.gpu and L == 1
+    return (runs_on_gpu() and L == 1
             and keys.dtype in DTYPES and values.dtype == keys.dtype
             and values.shape == keys.shape and D % CHUNK == 0 and quant_ok
             and index.shape[:3] == (B, Hk, 1) and index.dtype == mx.int32)

@@ -26,7 +26,7 @@ from typing import Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .build import _built_once, _prelude, gpu_backend
+from .build import _built_once, _prelude, gpu_backend, runs_on_gpu
 from .decode import DTYPES, params_f
 
 # (NT threads, KPT keys per thread): a block covers NT * KPT = 128 slots,
@@ -278,8 +278,7 @@ def queue_fold_supported(queries: mx.array, keys: mx.array, queued: int = 0) -> 
     buffer (B, Hk, cap, D); ``queued``: fold that many queries instead of T."""
     B, Hq, T, D = queries.shape
     Hk, T = keys.shape[1], queued or T
-    return (gpu_backend() is not None and mx.default_device() == mx.gpu
-            and queries.dtype in DTYPES and keys.dtype == queries.dtype
+    return (runs_on_gpu() and queries.dtype in DTYPES and keys.dtype == queries.dtype
             and D % 8 == 0 and 8 <= D <= 256 and keys.shape[-1] == D
             and keys.shape[0] == B and Hq % Hk == 0 and (Hq // Hk) * T <= MAX_ROWS)
 
