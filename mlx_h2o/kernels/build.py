@@ -154,14 +154,21 @@ def _kernel(backend: str, name: str, names, header: str, body: str, contiguous=F
     )
 
 
+def _precompiled(backend: str, name: str, names, header: str, body: str, fallback):
+    """The kernel built once per machine (kernels/cubin.py; MLX builds its own
+    in every process, ~1.5 s a kernel at first use) for calls whose inputs are
+    row-contiguous, ``fallback`` if its build fails; None where cubins are not
+    built (not CUDA, no NVRTC)."""
+    if backend != "cuda" or not cubin.available():
+        return None
+    return cubin.PrecompiledKernel(name, *names, header, body, fallback=fallback)
+
+
 def _built_once(backend: str, name: str, names, header: str, body: str):
-    """A kernel whose inputs are made row-contiguous: on CUDA built once per
-    machine (kernels/cubin.py; MLX builds its own in every process, ~1.5 s a
-    kernel at first use), elsewhere as ``_kernel`` builds it."""
+    """A kernel whose inputs are made row-contiguous: ``_precompiled`` where it
+    builds, else as ``_kernel`` builds it."""
     made = _kernel(backend, name, names, header, body, contiguous=True)
-    if backend == "cuda" and cubin.available():
-        return cubin.PrecompiledKernel(name, *names, header, body, fallback=made)
-    return made
+    return _precompiled(backend, name, names, header, body, made) or made
 
 
 @lru_cache(maxsize=None)
@@ -203,27 +210,21 @@ def _make_fold_kernel():
 
 @lru_cache(maxsize=None)
 def _make_pass1_precompiled(mask: str, sinks: bool, split: bool, fused: bool):
-    """``_make_pass1_kernel``'s kernel built once per machine (kernels/cubin.py)
-    for calls whose inputs are all row-contiguous, such as a cache's whole
-    buffers (MLX's build reads strided views in place); None where cubins are
-    not built (no CUDA, no NVRTC)."""
-    made = _make_pass1_kernel(mask, sinks, split, fused)
-    if gpu_backend() != "cuda" or not cubin.available():
-        return None
-    return cubin.PrecompiledKernel(_pass1_name(mask, sinks, split, fused),
-                                   *pass1_names(mask, sinks, split, fused),
-                                   *pass1_source("cuda", mask, sinks, split, fused), fallback=made)
+    """``_make_pass1_kernel``'s kernel as ``_precompiled``, for calls whose
+    inputs are all row-contiguous, such as a cache's whole buffers (MLX's
+    build reads strided views in place)."""
+    return _precompiled(gpu_backend(), _pass1_name(mask, sinks, split, fused),
+                        pass1_names(mask, sinks, split, fused),
+                        *pass1_source("cuda", mask, sinks, split, fused),
+                        _make_pass1_kernel(mask, sinks, split, fused))
 
 
 @lru_cache(maxsize=None)
 def _make_pass2_precompiled(sinks: bool, fused: bool):
-    """``_make_pass2_kernel``'s kernel built once per machine, as pass 1's."""
-    made = _make_pass2_kernel(sinks, fused)
-    if gpu_backend() != "cuda" or not cubin.available():
-        return None
-    return cubin.PrecompiledKernel(f"h2o_attn2_{int(sinks)}{int(fused)}",
-                                   *pass2_names(sinks, fused), *pass2_source("cuda", sinks, fused),
-                                   fallback=made)
+    """``_make_pass2_kernel``'s kernel as ``_precompiled``, as pass 1's."""
+    return _precompiled(gpu_backend(), f"h2o_attn2_{int(sinks)}{int(fused)}",
+                        pass2_names(sinks, fused), *pass2_source("cuda", sinks, fused),
+                        _make_pass2_kernel(sinks, fused))
 
 
 def all_sources(backend: str) -> List[Tuple[str, str, str]]:
