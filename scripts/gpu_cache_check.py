@@ -185,7 +185,12 @@ def _mlx_built(fold_kernel, *args):
 
 @functools.lru_cache(maxsize=None)
 def _mlx_plan(*args):
-    plan = copy.copy(GROUP_PLAN(*args))
+    return mlx_built(GROUP_PLAN(*args))
+
+
+def mlx_built(plan):
+    """A copy of a group plan that launches MLX's build of its kernel, directly."""
+    plan = copy.copy(plan)
     plan.kernel = getattr(plan.kernel, "fallback", plan.kernel)
     plan._run = plan._launch
     return plan

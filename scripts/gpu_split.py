@@ -26,7 +26,6 @@ Diagnostic, not a benchmark of record (docs/GPU.md).
 
 import argparse
 import collections
-import copy
 import functools
 import gc
 import json
@@ -42,7 +41,7 @@ import mlx.core as mx
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from gpu_cache_check import mlx_fold, prefill, without_groups  # noqa: E402
+from gpu_cache_check import mlx_built, mlx_fold, prefill, without_groups  # noqa: E402
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache  # noqa: E402
 import mlx_h2o  # noqa: E402
 from mlx_h2o import H2OConfig, make_h2o_cache  # noqa: E402
@@ -306,14 +305,12 @@ def op_probe(layers=36, n=256, reps=20):
 def fold_launch(plan, kernel="mlx", compiled=False):
     """The plan's launch with MLX's build of its kernel or ours (``cubin``:
     kernels/cubin.py, built once per machine), optionally under mx.compile."""
-    plan = copy.copy(plan)
-    made = getattr(plan.kernel, "fallback", plan.kernel)  # MLX's build
-    plan.kernel = made
-    if kernel == "cubin":
+    plan = mlx_built(plan)
+    if kernel == "cubin":  # a new kernel object: its first call reads or builds the cubin
         quantized = plan.VD == 1
         plan.kernel = cubin.PrecompiledKernel(
             f"h2o_group{'q' if quantized else ''}{plan.n}", *group_names(plan.n, quantized),
-            *group_source("cuda", plan.n, quantized), fallback=made)
+            *group_source("cuda", plan.n, quantized), fallback=plan.kernel)
     return mx.compile(plan._launch) if compiled else plan._launch
 
 
