@@ -74,17 +74,39 @@ def kv_sets(N, D, dtype):
     return sets, kv_bytes
 
 
-def attention_chains(N, D, dtype, splits=None):
+def knobs(text):
+    """'MAX_ROWS=2,TARGET_BLOCKS=1024' -> {name: int} of decode's launch knobs."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if not hasattr(decode, name) or not value.lstrip("-").isdigit():
+            raise argparse.ArgumentTypeError(f"{item!r}: want NAME=INT, NAME a decode.py knob "
+                                             "such as MAX_ROWS or TARGET_BLOCKS")
+        out[name] = int(value)
+    return out
+
+
+def attention_chains(N, D, dtype, splits=None, variants=({},)):
+    """(ours under each of ``variants`` (decode knob values), MLX's SDPA, K+V bytes)."""
     sets, kv_bytes = kv_sets(N, D, dtype)
     q0 = mx.random.normal((B, HQ, 1, D)).astype(dtype)
     scale = D ** -0.5
 
-    def ours(n):
-        q = q0
-        for i in range(n):
-            k, v = sets[i % len(sets)]
-            q = decode_attention(q, k, v, scale=scale, num_splits=splits)[0]
-        return q
+    def tuned(variant):
+        def ours(n):
+            old = {name: getattr(decode, name) for name in variant}
+            for name, value in variant.items():
+                setattr(decode, name, value)
+            try:
+                q = q0
+                for i in range(n):
+                    k, v = sets[i % len(sets)]
+                    q = decode_attention(q, k, v, scale=scale, num_splits=splits)[0]
+                return q
+            finally:
+                for name, value in old.items():
+                    setattr(decode, name, value)
+        return ours
 
     def mlx(n):
         q = q0
@@ -93,7 +115,7 @@ def attention_chains(N, D, dtype, splits=None):
             q = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
         return q
 
-    return ours, mlx, kv_bytes
+    return [tuned(v) for v in variants], mlx, kv_bytes
 
 
 def step_chains(N, D, dtype):
@@ -146,6 +168,9 @@ def main():
     p.add_argument("--keys-per-group", type=int, default=0, help="U (0: automatic)")
     p.add_argument("--lanes-per-key", type=int, default=0, choices=[0, 8, 16, 32],
                    help="TPK (0: automatic)")
+    p.add_argument("--variants", type=knobs, nargs="+", default=[{}],
+                   help="launch knobs of decode.py to time side by side, a row each, "
+                        "e.g. '' 'MAX_ROWS=2' 'MAX_ROWS=1,TARGET_BLOCKS=1024' ('': defaults)")
     p.add_argument("--plain", action="store_true",
                    help="never replay a compiled launch (every call rebuilds it)")
     args = p.parse_args()
@@ -162,31 +187,38 @@ def main():
           f"heads={HQ}/{HK} chain={args.chain} repeats={args.repeats} U={args.keys_per_group} "
           f"TPK={args.lanes_per_key} plain={args.plain}")
     print(f"copy bandwidth (read+write): {bw / 1e9:.0f} GB/s")
+    several = len(args.variants) > 1
     print(f"{'D':>4s} {'N':>6s} {'ours us':>8s} {'mlx us':>8s} {'ratio':>6s} "
           f"{'GB/s':>6s} {'floor us':>8s} {'x floor':>7s} {'host us o/m':>11s} "
-          f"{'eval us o/m':>11s}")
+          f"{'eval us o/m':>11s}" + ("  variant" if several else ""))
     rows = []
     for D in args.dims:
         for N in args.ns:
-            ours, mlx, kv_bytes = attention_chains(N, D, dtype)
-            t_ours, t_mlx = [], []
-            for _ in range(3):  # interleave: noise hits both
-                t_ours.append(timed(ours, args.chain, args.repeats))
+            ours, mlx, kv_bytes = attention_chains(N, D, dtype, variants=args.variants)
+            t_ours, t_mlx = [[] for _ in ours], []
+            for _ in range(3):  # interleave: noise hits every variant
+                for fn, ts in zip(ours, t_ours):
+                    ts.append(timed(fn, args.chain, args.repeats))
                 t_mlx.append(timed(mlx, args.chain, args.repeats))
-            t_o, t_m = statistics.median(t_ours), statistics.median(t_mlx)
+            t_m = statistics.median(t_mlx)
             floor = kv_bytes / bw
-            row = dict(D=D, N=N, ours_us=t_o * 1e6, mlx_us=t_m * 1e6, ratio=t_o / t_m,
-                       gbps=kv_bytes / t_o / 1e9, floor_us=floor * 1e6, x_floor=t_o / floor,
-                       host_ours_us=HOST[ours] * 1e6, host_mlx_us=HOST[mlx] * 1e6)
-            rows.append(row)
-            print(f"{D:4d} {N:6d} {row['ours_us']:8.1f} {row['mlx_us']:8.1f} "
-                  f"{row['ratio']:6.2f} {row['gbps']:6.0f} {row['floor_us']:8.1f} "
-                  f"{row['x_floor']:7.2f} {row['host_ours_us']:5.1f}/{row['host_mlx_us']:<5.1f} "
-                  f"{row['ours_us'] - row['host_ours_us']:5.1f}/"
-                  f"{row['mlx_us'] - row['host_mlx_us']:<5.1f}", flush=True)
+            for variant, fn, ts in zip(args.variants, ours, t_ours):
+                t_o = statistics.median(ts)
+                row = dict(D=D, N=N, ours_us=t_o * 1e6, mlx_us=t_m * 1e6, ratio=t_o / t_m,
+                           gbps=kv_bytes / t_o / 1e9, floor_us=floor * 1e6,
+                           x_floor=t_o / floor, host_ours_us=HOST[fn] * 1e6,
+                           host_mlx_us=HOST[mlx] * 1e6, variant=variant)
+                rows.append(row)
+                name = ",".join(f"{k}={v}" for k, v in variant.items()) or "default"
+                print(f"{D:4d} {N:6d} {row['ours_us']:8.1f} {row['mlx_us']:8.1f} "
+                      f"{row['ratio']:6.2f} {row['gbps']:6.0f} {row['floor_us']:8.1f} "
+                      f"{row['x_floor']:7.2f} {row['host_ours_us']:5.1f}/"
+                      f"{row['host_mlx_us']:<5.1f} {row['ours_us'] - row['host_ours_us']:5.1f}/"
+                      f"{row['mlx_us'] - row['host_mlx_us']:<5.1f}"
+                      + (f"  {name}" if several else ""), flush=True)
             if args.tune:
                 for S in args.tune_splits:
-                    o, _, _ = attention_chains(N, D, dtype, splits=S)
+                    (o,), _, _ = attention_chains(N, D, dtype, splits=S)
                     print(f"       tune S={S:3d}: {timed(o, args.chain, args.repeats) * 1e6:8.1f} us",
                           flush=True)
     steps = []

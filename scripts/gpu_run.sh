@@ -1,7 +1,7 @@
 #!/bin/sh
 # One device call: install MLX CUDA (if given), then check and time the kernels.
 #
-#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|ab|tune|tpk8|tpk16|gfold|fprobe|gfold_ab|pytest|tests|sweep|qfold|qtile|model|realmodel|ptx]...
+#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|ab|tune|tpk8|tpk16|variants|mma|gfold|fprobe|gfold_ab|pytest|tests|sweep|qfold|qtile|model|realmodel|ptx]...
 #
 # "install" expects .gpu/part1 already copied to /root/mlxw (previous call) and
 # .gpu/part2 and .gpu/lib (mlx_lm) carried now; "ensure" reuses a warm install.
@@ -75,6 +75,16 @@ for step in "$@"; do
         python3 scripts/bench_kernels.py --repeats 3 --dims 80 96 --lanes-per-key $t 2>&1 \
           | tee -a "$OUT/bench_d8096_tpk$t.log" | grep -v "^{" || status=1
       done ;;
+    variants)  # pass 1's launch knobs side by side ($VARIANTS, e.g. "'' MAX_ROWS=2"; session 19)
+      eval "set -- $VARIANTS"
+      timeout 500 python3 scripts/bench_kernels.py --repeats 3 --dims ${DIMS:-64 128} \
+        --ns ${NS:-1024 4096 16384 32768} --variants "$@" 2>&1 \
+        | tee -a "$OUT/bench_variants.log" | grep -v "^{" || status=1 ;;
+    mma)  # the tensor-core pass 1 (session 19): timings against the shared body
+          # (MMA=0) and MLX, then its float64 checks and the shared body's
+      VARIANTS="'' MMA=0" DIMS=${DIMS:-64 96 128} sh "$0" variants || status=1
+      timeout -s INT 270 python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
+        tests/test_kernels_gpu.py -k "mma or float64" 2>&1 | tee "$OUT/pytest_mma.log" | tail -8 ;;
     gfold)  # first decode steps ($STRATEGY) with our cubins built / read back /
             # MLX's builds (session 18)
       for run in built cached mlx; do

@@ -70,7 +70,7 @@ FLOAT32 = {"prm_f", "lay_f", "score_in", "count_in", "score_out", "count_out", "
            "lse", "part_o", "part_ml", "part_lse"}
 INT32 = {"prm_i", "lay_i", "slot", "pos_in", "pin", "pos_out", "victim"}
 UINT32 = {"k0w", "v0w", "k1w", "v1w"}  # packed quantized words
-KNOWN_KINDS = ("pass1", "pass2", "fold", "group")
+KNOWN_KINDS = ("pass1", "pass2", "fold", "group", "pass1mma")
 
 
 @dataclass
@@ -136,14 +136,14 @@ def constants(kind: str, kw: dict, dtype: str, D: int, G: int, HK: int, L: int):
         t = [("T", dtype), ("D", D), ("G", G), ("HK", HK), ("NB", 1), ("MODE", 0),
              ("VD", 1 if q else D)]
         return t + ([("BITS", 4), ("GS", 64)] if q else [])
-    fused = kw.get("fused", kind not in ("pass1", "pass2"))
+    fused = kw.get("fused", kind not in ("pass1", "pass2", "pass1mma"))
     L = 1 if fused else L  # the fused step has one query
     lay = layout(D, 4 if dtype == "float32" else 2, G, L, KEYS_PER_LANE_GROUP, decode.LANES_PER_KEY)
     t = [(k, dtype if k == "T" else v) for k, v in lay.template(None, D, L, G, HK)]
     if kind != "pass2":
         t.append(("MH", 1 if kw.get("mask") in ("bool", "add") else 0))
     t += [("MODE", 0)] if fused else []
-    return t + ([("NB", 1)] if kind not in ("pass1", "pass2") else [])
+    return t + ([("NB", 1)] if kind not in ("pass1", "pass2", "pass1mma") else [])
 
 
 def build_kernels(D: int, G: int, HK: int, L: int) -> List[Kernel]:

@@ -171,6 +171,7 @@ def test_kernel_matches_float64(monkeypatch, case, tpk):
     from mlx_h2o.kernels.decode import decode_attention
 
     monkeypatch.setattr(decode, "LANES_PER_KEY", tpk)  # 0: lanes_per_key(D, N)
+    monkeypatch.setattr(decode, "MMA", False)  # the shared-body kernel (MMA: below)
 
     def fn(q, k, v, scale, mask, sinks):
         return decode_attention(q, k, v, scale=scale, mask=mask, sinks=sinks,
@@ -178,6 +179,67 @@ def test_kernel_matches_float64(monkeypatch, case, tpk):
 
     ok, errs = check_case(case, 1234, fn)
     assert ok, errs
+
+
+MMA_CASES = [
+    Case(N=300, D=64), Case(N=1025, D=96, dtype="bfloat16"), Case(N=4097, Hq=32, Hk=8),
+    Case(N=16385, D=64, Hq=32, Hk=8, dtype="bfloat16"), Case(N=32768, Hq=32, Hk=8),
+    Case(N=9001, Hq=8, Hk=8, B=2), Case(N=2001, D=64, L=8, Hq=8, Hk=8, mask="causal"),
+    Case(N=999, L=2, Hq=16, Hk=4, mask="causal", sinks=True), Case(N=1025, view="slice", B=2),
+    Case(N=700, view="strided", D=96), Case(N=5000, Hq=8, Hk=1, dtype="bfloat16", splits=3),
+    Case(N=257, D=64, Hq=6, Hk=2, sinks=True, splits=2),
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: c.label())
+def test_mma_pass1_matches_float64(monkeypatch, case):
+    """The tensor-core pass 1 (CUDA, float16 / bfloat16 split launches)
+    against float64: out, logits and lse, outputs poisoned."""
+    from mlx_h2o.kernels import decode
+    from mlx_h2o.kernels.decode import decode_attention
+
+    if build.gpu_backend() != "cuda":
+        pytest.skip("the tensor-core pass 1 is CUDA only")
+    monkeypatch.setattr(decode, "MMA", True)
+    q, k, _, mask, sinks = make_inputs(case, 7)
+    plan = decode._plan(q, k, mask, sinks, case.splits)
+    assert plan.keywords["mma"] and plan.keywords["S"] > 1  # the case takes it
+
+    def fn(q, k, v, scale, mask, sinks):
+        return decode_attention(q, k, v, scale=scale, mask=mask, sinks=sinks,
+                                num_splits=case.splits, poison=float("nan"))
+
+    ok, errs = check_case(case, 2024, fn)
+    assert ok, errs
+
+
+def test_mma_supported(monkeypatch):
+    from mlx_h2o.kernels import decode
+    from mlx_h2o.kernels.decode import mma_supported
+
+    monkeypatch.setattr(decode, "device_backend", lambda: "cuda")
+    assert mma_supported(mx.float16, 128, 1, 4, "none")
+    assert mma_supported(mx.bfloat16, 64, 8, 1, "causal") and mma_supported(mx.float16, 96, 1, 8, "none")
+    assert not mma_supported(mx.float32, 128, 1, 4, "none")  # no float32 tensor-core path
+    assert not any(mma_supported(mx.float16, d, 1, 4, "none") for d in (80, 256))
+    assert not mma_supported(mx.float16, 128, 1, 4, "bool")  # array masks: shared body
+    assert not mma_supported(mx.float16, 128, 3, 4, "none")  # 12 rows: row tiles
+    monkeypatch.setattr(decode, "MMA", False)
+    assert not mma_supported(mx.float16, 128, 1, 4, "none")
+    monkeypatch.setattr(decode, "MMA", True)
+    monkeypatch.setattr(decode, "device_backend", lambda: "metal")
+    assert not mma_supported(mx.float16, 128, 1, 4, "none")  # CUDA only
+
+
+def test_mma_source_is_cuda_only():
+    with pytest.raises(ValueError, match="CUDA only"):
+        build.pass1mma_source("metal", "none")
+    with pytest.raises(ValueError, match="masks"):
+        build.pass1mma_source("cuda", "bool")
+    header, body = build.pass1mma_source("cuda", "causal")
+    assert "mma.sync" in header and source.MASK_CAUSAL in body
+    assert not any(label.startswith("pass1mma") for label, *_ in build.all_sources("metal"))
 
 
 def test_repeated_compiles_a_signature_seen_before():

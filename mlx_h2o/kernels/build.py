@@ -9,6 +9,7 @@ import mlx.core as mx
 
 from . import cubin
 from . import source as src
+from . import source_mma
 
 MASK_KINDS = ("none", "causal", "bool", "add")
 # Index = the kernels' MODE constant; names as in mlx_h2o.config.SCORE_MODES.
@@ -105,6 +106,25 @@ def pass1_source(backend: str, mask: str, sinks: bool, split: bool, fused: bool)
     return header, body
 
 
+MMA_MASK_KINDS = ("none", "causal")
+
+
+def pass1mma_names(mask: str):
+    """Input and output names of the tensor-core pass 1 (split, no sinks)."""
+    return pass1_names(mask, False, True, False)
+
+
+def pass1mma_source(backend: str, mask: str):
+    """(header, body) of the tensor-core pass 1 (source_mma.py; CUDA only)."""
+    if backend != "cuda":
+        raise ValueError(f"the tensor-core pass 1 is CUDA only, not {backend!r}")
+    if mask not in MMA_MASK_KINDS:
+        raise ValueError(f"the tensor-core pass 1 takes masks {MMA_MASK_KINDS}, not {mask!r}")
+    header, ids = _prelude(backend)
+    body = Template(source_mma.PASS1_MMA).substitute(IDS=ids, MASK_APPLY=_mask_apply(mask, False))
+    return header + source_mma.MMA_HEADER, body
+
+
 def pass2_names(sinks: bool, fused: bool):
     inputs = ["part_o", "part_ml"] + (["sinks"] if sinks else [])
     outputs = ["out", "lse"]
@@ -183,6 +203,15 @@ def _make_pass1_kernel(mask: str, sinks: bool, split: bool, fused: bool):
                    *pass1_source(backend, mask, sinks, split, fused))
 
 
+@lru_cache(maxsize=None)
+def _make_pass1_mma_kernel(mask: str):
+    """The tensor-core pass 1 (split, float16 / bfloat16) on CUDA, else None."""
+    if device_backend() != "cuda":
+        return None
+    return _kernel("cuda", f"h2o_attn1mma_{mask}", pass1mma_names(mask),
+                   *pass1mma_source("cuda", mask))
+
+
 def _pass1_name(mask: str, sinks: bool, split: bool, fused: bool) -> str:
     return f"h2o_attn1_{mask}_{int(sinks and not split)}{int(split)}{int(fused)}"
 
@@ -240,6 +269,8 @@ def all_sources(backend: str) -> List[Tuple[str, str, str]]:
         for fused in (False, True):
             out.append((f"pass2 sinks={sinks} fused={fused}", *pass2_source(backend, sinks, fused)))
     out.append(("fold", *fold_source(backend)))
+    if backend == "cuda":
+        out += [(f"pass1mma mask={m}", *pass1mma_source(backend, m)) for m in MMA_MASK_KINDS]
     for n in (1, 3):
         for q in (False, True):
             out.append((f"group layers={n} quantized={q}", *group_source(backend, n, q)))

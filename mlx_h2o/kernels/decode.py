@@ -7,7 +7,8 @@ from typing import Optional, Tuple, Union
 
 import mlx.core as mx
 
-from .build import _make_pass1_kernel, _make_pass2_kernel, device_backend, gpu_backend
+from .build import (_make_pass1_kernel, _make_pass1_mma_kernel, _make_pass2_kernel,
+                    device_backend, gpu_backend)
 
 NT = 128  # threads per block (source.NT)
 KEYS_PER_LANE_GROUP = 0  # U, keys per warp iteration; 0: min(8, TPK / padded R)
@@ -16,6 +17,8 @@ MAX_ROWS = 8  # query rows per block: registers hold R * EPL floats twice
 MAX_SPLITS = 256  # more never measured faster (docs/GPU.md, "--tune")
 TARGET_BLOCKS = 512  # ~4 blocks per SM on a 132-SM H100
 MIN_SPLIT_KEYS = 128
+MMA = True  # split launches on CUDA tensor cores where mma_supported (source_mma.py)
+MMA_TILE = 64  # keys per block iteration of the tensor-core pass 1
 SINGLE_PASS_MAX_N = 256  # below this one launch beats two (measured: docs/GPU.md)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
@@ -41,14 +44,15 @@ class Layout:
 
 
 @lru_cache(maxsize=None)
-def layout(D: int, itemsize: int, G: int, L: int, U: int = 0, TPK: int = 0) -> Layout:
+def layout(D: int, itemsize: int, G: int, L: int, U: int = 0, TPK: int = 0,
+           max_rows: int = MAX_ROWS) -> Layout:
     # TPK lanes read one key row: each lane a slice of EPL = 2, 4 or 8 elements.
     tpk = TPK or 32
     if not any(tpk * e >= D and D % e == 0 for e in (2, 4, 8)):
         tpk = 32  # the row does not fit TPK lanes
     epl = next(e for e in (2, 4, 8) if tpk * e >= D and D % e == 0)
     rows = G * L
-    R = max(r for r in range(1, MAX_ROWS + 1) if rows % r == 0)
+    R = max(r for r in range(1, max_rows + 1) if rows % r == 0)
     rp = 1 << (R - 1).bit_length()  # rows padded to a power of two
     # R x U logits per key-row group iteration are spread over its TPK lanes.
     if U and rp * U > tpk:
@@ -56,6 +60,14 @@ def layout(D: int, itemsize: int, G: int, L: int, U: int = 0, TPK: int = 0) -> L
                          f"group, more than its {tpk}: use U <= {max(1, tpk // rp)}")
     U = U or min(8, tpk // rp)
     return Layout(R=R, RT=rows // R, TPK=tpk, EPL=epl, U=U, tile=(NT // 32) * U * (32 // tpk))
+
+
+def mma_supported(dtype, D: int, L: int, G: int, kind: str) -> bool:
+    """Whether a split launch takes the tensor-core pass 1 (CUDA, float16 /
+    bfloat16, D 64 / 96 / 128, no mask or causal, <= 8 query rows a KV head;
+    sinks are pass 2's). ``MMA = False`` turns it off."""
+    return (MMA and device_backend() == "cuda" and dtype in (mx.float16, mx.bfloat16)
+            and D in (64, 96, 128) and kind in ("none", "causal") and G * L <= MAX_ROWS)
 
 
 def lanes_per_key(D: int, N: int) -> int:
@@ -198,7 +210,7 @@ def decode_attention(
         # What the plan depends on (mx.compile itself retraces on other input
         # shapes or dtypes): the plan is made only to compile a launch.
         signature = (q.shape, k.shape, q.dtype, mask_key, sinks is None, num_splits,
-                     KEYS_PER_LANE_GROUP, LANES_PER_KEY)
+                     KEYS_PER_LANE_GROUP, LANES_PER_KEY, MAX_ROWS, TARGET_BLOCKS, MMA)
         fn = _REPEATED.get(signature, lambda: _plan(q, k, mask, sinks, num_splits))
         if fn is not None:
             return tuple(fn(*arrays))
@@ -210,14 +222,18 @@ def _plan(q, k, mask, sinks, num_splits):
     B, Hq, L, D = q.shape
     Hk, N = k.shape[1], k.shape[2]
     tpk = LANES_PER_KEY or lanes_per_key(D, N)
-    lay = layout(D, q.dtype.size, Hq // Hk, L, KEYS_PER_LANE_GROUP, tpk)
+    lay = layout(D, q.dtype.size, Hq // Hk, L, KEYS_PER_LANE_GROUP, tpk, MAX_ROWS)
     kind, mh = mask_mode(mask, B, Hq, Hk, L, N)
-    S = num_splits or choose_splits(N, B * Hk * lay.RT, lay.tile, D)
+    units = B * Hk * lay.RT
+    S = num_splits or choose_splits(N, units, lay.tile, D)
+    mma = S > 1 and mma_supported(q.dtype, D, L, Hq // Hk, kind)
+    if mma and not num_splits:
+        S = choose_splits(N, units, MMA_TILE, D)
     return partial(_launch, lay=lay, kind=kind, mh=mh, S=max(1, min(S, MAX_SPLITS)),
-                   has_sinks=sinks is not None)
+                   has_sinks=sinks is not None, mma=mma)
 
 
-def _launch(q, k, v, prm_f, *extra, lay, kind, mh, S, has_sinks, poison=None):
+def _launch(q, k, v, prm_f, *extra, lay, kind, mh, S, has_sinks, mma=False, poison=None):
     """The kernel launches of ``decode_attention``: one pass, or splits + a
     merge with one block per query row."""
     B, Hq, L, D = q.shape
@@ -237,6 +253,8 @@ def _launch(q, k, v, prm_f, *extra, lay, kind, mh, S, has_sinks, poison=None):
             output_dtypes=[q.dtype, f32, f32], init_value=poison,
         )
         return out, logits, lse
+    if mma:  # mma_supported: G * L <= MAX_ROWS, so one row tile (lay.R rows)
+        k1 = _make_pass1_mma_kernel(kind)
     logits, part_o, part_ml = k1(
         inputs=inputs, template=tmpl, grid=(units * NT, S, 1), threadgroup=(NT, 1, 1),
         output_shapes=[(B, Hq, L, N), (units, S, lay.R, D), (units, S, lay.R, 2)],
