@@ -82,7 +82,7 @@ for step in "$@"; do
         | tee -a "$OUT/bench_variants.log" | grep -v "^{" || status=1 ;;
     mma)  # the tensor-core pass 1 (session 19): timings against the shared body
           # (MMA=0) and MLX, then its float64 checks and the shared body's
-      VARIANTS="'' MMA=0" DIMS=${DIMS:-64 96 128} sh "$0" variants || status=1
+      VARIANTS="MMA=1 MMA=0" DIMS=${DIMS:-64 96 128} sh "$0" variants || status=1
       timeout -s INT 270 python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
         tests/test_kernels_gpu.py -k "mma or float64" 2>&1 | tee "$OUT/pytest_mma.log" | tail -8 ;;
     gfold)  # first decode steps ($STRATEGY) with our cubins built / read back /
