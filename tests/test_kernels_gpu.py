@@ -219,6 +219,7 @@ def test_mma_supported(monkeypatch):
     from mlx_h2o.kernels.decode import mma_supported
 
     monkeypatch.setattr(decode, "device_backend", lambda: "cuda")
+    monkeypatch.setattr(decode, "MMA", True)
     assert mma_supported(mx.float16, 128, 1, 4, "none")
     assert mma_supported(mx.bfloat16, 64, 8, 1, "causal") and mma_supported(mx.float16, 96, 1, 8, "none")
     assert not mma_supported(mx.float32, 128, 1, 4, "none")  # no float32 tensor-core path
