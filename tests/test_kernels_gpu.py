@@ -14,7 +14,7 @@ import pytest
 from mlx_h2o import kernels
 from mlx_h2o.kernels import build, reference, source
 from mlx_h2o.kernels.decode import choose_splits, layout, mask_mode, supported
-from mlx_h2o.kernels.testing import Case, check_case, ref64, rel_err, to_np
+from mlx_h2o.kernels.testing import Case, check_case, make_inputs, ref64, rel_err, to_np
 
 HAS_GPU = build.gpu_backend() is not None
 needs_gpu = pytest.mark.skipif(

@@ -121,7 +121,9 @@ $IDS
   float z[4][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}, {0.0f, 0.0f}, {0.0f, 0.0f}};
 
   for (int base = n0 + warp * 16; base < n1; base += STEP) {
-    // K rows base + 8 tau + q4; V rows base + 8 (c >> 1) + 2 t4 + (c & 1).
+    // K rows base + 8 tau + q4; V rows base + 8 (c >> 1) + 2 t4 + (c & 1),
+    // read once S is done (K's registers free: ~200 registers a thread at
+    // D=128 with both in flight, 2 blocks an SM).
     H2ORaw<T, 8> kr[2][KC];
     H2ORaw<T, VW> vr[4][NV];
     H2O_UNROLL
@@ -137,19 +139,6 @@ $IDS
         }
       }
     }
-    H2O_UNROLL
-    for (int c = 0; c < 4; ++c) {
-      const int key = base + 8 * (c >> 1) + 2 * t4 + (c & 1);
-      H2O_UNROLL
-      for (int f = 0; f < NV; ++f) {
-        if (key < n1) {
-          h2o_fetch<VW>(v + vbase + key * vs + (q4 * VE + f * VW) * v_strides[3],
-                        v_strides[3], vvec, vr[c][f]);
-        } else {
-          h2o_zero<VW>(vr[c][f]);
-        }
-      }
-    }
     // S: row q4, keys base + 8 tau + 2 t4 + {0, 1} in s[tau][0 .. 1].
     float s[2][2];
     H2O_UNROLL
@@ -162,6 +151,19 @@ $IDS
         for (int h = 0; h < 2; ++h) {
           h2o_mma(s[tau][0], s[tau][1], z[tau][0], z[tau][1], qa[j][2 * h], qa[j][2 * h + 1],
                   kw[2 * h], kw[2 * h + 1], static_cast<const T*>(nullptr));
+        }
+      }
+    }
+    H2O_UNROLL
+    for (int c = 0; c < 4; ++c) {
+      const int key = base + 8 * (c >> 1) + 2 * t4 + (c & 1);
+      H2O_UNROLL
+      for (int f = 0; f < NV; ++f) {
+        if (key < n1) {
+          h2o_fetch<VW>(v + vbase + key * vs + (q4 * VE + f * VW) * v_strides[3],
+                        v_strides[3], vvec, vr[c][f]);
+        } else {
+          h2o_zero<VW>(vr[c][f]);
         }
       }
     }
