@@ -51,6 +51,26 @@ def timed(fn, chain, repeats):
     return statistics.median(samples[1:])
 
 
+def kernel_trace(fn, chain):
+    """GPU us per call of each kernel ``fn(chain)`` runs, by kernel name, from a
+    CUPTI trace (torch.profiler; it inflates durations a little)."""
+    import collections
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    mx.eval(fn(chain))  # compiled and allocated outside the trace
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        mx.eval(fn(chain))
+        mx.synchronize()
+    names = collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            t = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            names[e.name[:50]] += t / chain
+    return names
+
+
 def copy_bandwidth(repeats):
     x = mx.random.normal((256 * 1024 * 1024,)).astype(mx.float16)  # 512 MB
     mx.eval(x)
@@ -171,6 +191,8 @@ def main():
     p.add_argument("--variants", type=knobs, nargs="+", default=[{}],
                    help="launch knobs of decode.py to time side by side, a row each, "
                         "e.g. '' 'MAX_ROWS=2' 'MAX_ROWS=1,TARGET_BLOCKS=1024' ('': defaults)")
+    p.add_argument("--trace", action="store_true",
+                   help="also list each kernel's GPU us a call (CUPTI, needs torch)")
     p.add_argument("--plain", action="store_true",
                    help="never replay a compiled launch (every call rebuilds it)")
     args = p.parse_args()
@@ -216,6 +238,13 @@ def main():
                       f"{row['host_mlx_us']:<5.1f} {row['ours_us'] - row['host_ours_us']:5.1f}/"
                       f"{row['mlx_us'] - row['host_mlx_us']:<5.1f}"
                       + (f"  {name}" if several else ""), flush=True)
+            if args.trace:
+                for name, fn in [(str(v) or "default", f) for v, f in zip(args.variants, ours)] + [
+                        ("mlx", mlx)]:
+                    per = kernel_trace(fn, args.chain)
+                    kernels = ", ".join(f"{k} {t:.1f}" for k, t in per.most_common(4))
+                    print(f"       trace {name}: {sum(per.values()):.1f} us a call: {kernels}",
+                          flush=True)
             if args.tune:
                 for S in args.tune_splits:
                     (o,), _, _ = attention_chains(N, D, dtype, splits=S)

@@ -201,7 +201,7 @@ def test_mma_pass1_matches_float64(monkeypatch, case):
 
     if build.gpu_backend() != "cuda":
         pytest.skip("the tensor-core pass 1 is CUDA only")
-    monkeypatch.setattr(decode, "MMA", True)
+    monkeypatch.setattr(decode, "MMA", 2)  # every head dim it takes, not only where faster
     q, k, _, mask, sinks = make_inputs(case, 7)
     plan = decode._plan(q, k, mask, sinks, case.splits)
     assert plan.keywords["mma"] and plan.keywords["S"] > 1  # the case takes it
@@ -214,23 +214,59 @@ def test_mma_pass1_matches_float64(monkeypatch, case):
     assert ok, errs
 
 
+@needs_gpu
+@pytest.mark.parametrize("case", [Case(N=4097, Hq=32, Hk=8), Case(N=1025, D=80, L=3, sinks=True),
+                                  Case(N=3000, D=256, dtype="float32", splits=7)],
+                         ids=lambda c: c.label())
+def test_merge_split_equals_one_block_a_row(monkeypatch, case):
+    """Pass 2 with a block a 32-element slice of D (CUDA's default) gives what
+    a block a row gives (Metal's), bit for bit."""
+    from mlx_h2o.kernels import decode
+    from mlx_h2o.kernels.decode import decode_attention
+
+    q, k, v, mask, sinks = make_inputs(case, 3)
+    got = []
+    for split in (1, 0):
+        monkeypatch.setattr(decode, "MERGE_SPLIT", split)
+        got.append(decode_attention(q, k, v, scale=case.D ** -0.5, mask=mask, sinks=sinks,
+                                    num_splits=case.splits, poison=float("nan")))
+    for a, b in zip(*got):
+        assert mx.array_equal(a, b)
+
+
 def test_mma_supported(monkeypatch):
     from mlx_h2o.kernels import decode
     from mlx_h2o.kernels.decode import mma_supported
 
     monkeypatch.setattr(decode, "device_backend", lambda: "cuda")
-    monkeypatch.setattr(decode, "MMA", True)
+    monkeypatch.setattr(decode, "MMA", 1)  # the default: where it measured faster
+    assert mma_supported(mx.float16, 64, 1, 4, "none")
+    assert not any(mma_supported(mx.float16, d, 1, 4, "none") for d in (96, 128))
+    monkeypatch.setattr(decode, "MMA", 2)
     assert mma_supported(mx.float16, 128, 1, 4, "none")
     assert mma_supported(mx.bfloat16, 64, 8, 1, "causal") and mma_supported(mx.float16, 96, 1, 8, "none")
     assert not mma_supported(mx.float32, 128, 1, 4, "none")  # no float32 tensor-core path
     assert not any(mma_supported(mx.float16, d, 1, 4, "none") for d in (80, 256))
     assert not mma_supported(mx.float16, 128, 1, 4, "bool")  # array masks: shared body
     assert not mma_supported(mx.float16, 128, 3, 4, "none")  # 12 rows: row tiles
-    monkeypatch.setattr(decode, "MMA", False)
-    assert not mma_supported(mx.float16, 128, 1, 4, "none")
-    monkeypatch.setattr(decode, "MMA", True)
+    monkeypatch.setattr(decode, "MMA", 0)
+    assert not mma_supported(mx.float16, 64, 1, 4, "none")
+    monkeypatch.setattr(decode, "MMA", 2)
     monkeypatch.setattr(decode, "device_backend", lambda: "metal")
-    assert not mma_supported(mx.float16, 128, 1, 4, "none")  # CUDA only
+    assert not mma_supported(mx.float16, 64, 1, 4, "none")  # CUDA only
+
+
+def test_merge_blocks(monkeypatch):
+    from mlx_h2o.kernels import decode
+    from mlx_h2o.kernels.decode import merge_blocks
+
+    monkeypatch.setattr(decode, "device_backend", lambda: "cuda")
+    assert [merge_blocks(d) for d in (64, 80, 128, 256)] == [2, 3, 4, 8]  # 32 elements a block
+    monkeypatch.setattr(decode, "MERGE_SPLIT", 0)
+    assert merge_blocks(128) == 1
+    monkeypatch.setattr(decode, "MERGE_SPLIT", 1)
+    monkeypatch.setattr(decode, "device_backend", lambda: "metal")
+    assert merge_blocks(128) == 1  # the Metal twin keeps a block a row
 
 
 def test_mma_source_is_cuda_only():

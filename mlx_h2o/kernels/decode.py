@@ -17,7 +17,8 @@ MAX_ROWS = 8  # query rows per block: registers hold R * EPL floats twice
 MAX_SPLITS = 256  # more never measured faster (docs/GPU.md, "--tune")
 TARGET_BLOCKS = 512  # ~4 blocks per SM on a 132-SM H100
 MIN_SPLIT_KEYS = 128
-MMA = False  # split launches on CUDA tensor cores where mma_supported (source_mma.py)
+MMA = 1  # tensor-core pass 1 (source_mma.py): 0 off, 1 where faster (D=64), 2 D 64 / 96 / 128
+MERGE_SPLIT = 1  # pass 2 on CUDA: a block a 32-element slice of D (merge_blocks); 0: a row
 MMA_TILE = 64  # keys per block iteration of the tensor-core pass 1
 SINGLE_PASS_MAX_N = 256  # below this one launch beats two (measured: docs/GPU.md)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -64,10 +65,20 @@ def layout(D: int, itemsize: int, G: int, L: int, U: int = 0, TPK: int = 0,
 
 def mma_supported(dtype, D: int, L: int, G: int, kind: str) -> bool:
     """Whether a split launch takes the tensor-core pass 1 (CUDA, float16 /
-    bfloat16, D 64 / 96 / 128, no mask or causal, <= 8 query rows a KV head;
-    sinks are pass 2's). ``MMA = False`` turns it off."""
-    return (MMA and device_backend() == "cuda" and dtype in (mx.float16, mx.bfloat16)
-            and D in (64, 96, 128) and kind in ("none", "causal") and G * L <= MAX_ROWS)
+    bfloat16, no mask or causal, <= 8 query rows a KV head; sinks are pass
+    2's): with ``MMA`` 1 at D=64, where it measured faster than the shared
+    body on an H200 (D=128 slower: 162 registers, 3 blocks an SM; docs/GPU.md
+    session 19), with 2 also at D 96 / 128; 0 never."""
+    dims = {1: (64,), 2: (64, 96, 128)}.get(MMA, ())
+    return (device_backend() == "cuda" and dtype in (mx.float16, mx.bfloat16)
+            and D in dims and kind in ("none", "causal") and G * L <= MAX_ROWS)
+
+
+def merge_blocks(D: int) -> int:
+    """Pass-2 blocks a query row (each a 32-element slice of D): on CUDA one a
+    slice (its merge of S x D partials was ~2x cuDNN's at 32K keys: the
+    H200 CUPTI trace, docs/GPU.md session 19); 1 on Metal (never run)."""
+    return -(-D // 32) if MERGE_SPLIT and device_backend() == "cuda" else 1
 
 
 def lanes_per_key(D: int, N: int) -> int:
@@ -210,7 +221,8 @@ def decode_attention(
         # What the plan depends on (mx.compile itself retraces on other input
         # shapes or dtypes): the plan is made only to compile a launch.
         signature = (q.shape, k.shape, q.dtype, mask_key, sinks is None, num_splits,
-                     KEYS_PER_LANE_GROUP, LANES_PER_KEY, MAX_ROWS, TARGET_BLOCKS, MMA)
+                     KEYS_PER_LANE_GROUP, LANES_PER_KEY, MAX_ROWS, TARGET_BLOCKS, MMA,
+                     MERGE_SPLIT)
         fn = _REPEATED.get(signature, lambda: _plan(q, k, mask, sinks, num_splits))
         if fn is not None:
             return tuple(fn(*arrays))
@@ -262,8 +274,8 @@ def _launch(q, k, v, prm_f, *extra, lay, kind, mh, S, has_sinks, mma=False, pois
     )
     k2 = _make_pass2_kernel(has_sinks, False)
     out, lse = k2(
-        inputs=[part_o, part_ml] + sinks,
-        template=lay.template(q.dtype, D, L, G, Hk), grid=(units * lay.R * NT, 1, 1),
+        inputs=[part_o, part_ml] + sinks, template=lay.template(q.dtype, D, L, G, Hk),
+        grid=(units * lay.R * merge_blocks(D) * NT, 1, 1),
         threadgroup=(NT, 1, 1), output_shapes=[(B, Hq, L, D), (B, Hq, L)],
         output_dtypes=[q.dtype, f32], init_value=poison,
     )

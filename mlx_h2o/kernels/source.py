@@ -112,6 +112,7 @@ CUDA_IDS = r"""
   const int warp = tid >> 5;
   const int blk_x = blockIdx.x;
   const int blk_y = blockIdx.y;
+  const int n_blk_x = gridDim.x;
   const int n_blk_y = gridDim.y;
 """
 
@@ -173,6 +174,7 @@ METAL_IDS = r"""
   const int warp = int(simdgroup_index_in_threadgroup);
   const int blk_x = int(threadgroup_position_in_grid.x);
   const int blk_y = int(threadgroup_position_in_grid.y);
+  const int n_blk_x = int(threadgroups_per_grid.x);
   const int n_blk_y = int(threadgroups_per_grid.y);
 """
 
@@ -474,7 +476,13 @@ $FUSED_ROWS
   const int S = part_ml_shape[1];
   H2O_SHARED float red_o[NG * D];
   H2O_SHARED float lse_sh[G * L];
-  const int i0 = FUSED_ROWS ? blk_x * RT * R : blk_x;  // item = unit * R + row
+  // Unfused, the launch may give a row ND blocks, each one 32-element slice
+  // of D (more blocks reading the S x D partials at once; ND 1: all of D).
+  const int ND = FUSED_ROWS ? 1 : n_blk_x / (part_ml_shape[0] * R);
+  const int dc = blk_x % ND;
+  const int d_lo = ND > 1 ? 32 * dc : 0;
+  const int d_hi = ND > 1 ? H2O_MIN(D, d_lo + 32) : D;
+  const int i0 = FUSED_ROWS ? blk_x * RT * R : blk_x / ND;  // item = unit * R + row
   const int ni = FUSED_ROWS ? RT * R : 1;
   for (int ii = 0; ii < ni; ++ii) {
     const int unit = (i0 + ii) / R;
@@ -510,7 +518,7 @@ $SINK_SUM
         H2O_UNROLL
         for (int i = 0; i < DL; ++i) {
           const int d = lane + 32 * i;
-          if (d < D) o[i] += part_o[prow + d] * wgt;
+          if (d >= d_lo && d < d_hi) o[i] += part_o[prow + d] * wgt;
         }
       }
       H2O_BARRIER();  // the previous row's reads of red_o are done
@@ -522,14 +530,14 @@ $SINK_SUM
       H2O_BARRIER();
       const i64 orow = (i64)(b * HK * G + hq) * L + l;
       const float inv = 1.0f / (lsum > 0.0f ? lsum : 1.0f);
-      for (int d = tid; d < D; d += NT) {
+      for (int d = d_lo + tid; d < d_hi; d += NT) {
         float acc = 0.0f;
         H2O_UNROLL
         for (int j = 0; j < NG; ++j) acc += red_o[j * D + d];
         out[orow * D + d] = static_cast<T>(acc * inv);
       }
       const float lse_v = H2O_LOG(lsum) + shift;
-      if (tid == 0) lse[orow] = lse_v;
+      if (tid == 0 && dc == 0) lse[orow] = lse_v;
       if (FUSED_ROWS && tid == 0) lse_sh[gr] = lse_v;
     }
   }
