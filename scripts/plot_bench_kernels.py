@@ -1,11 +1,14 @@
 """Plot kernel microbenchmark runs: time per call / MLX SDPA's, before vs after.
 
     python scripts/plot_bench_kernels.py BEFORE.log AFTER.log OUT.png [--title T]
+        [--before-variant KNOBS] [--after-variant KNOBS]
 
 Reads the final JSON line of every ``bench_kernels.py`` run in each log
 (``gpu_run.sh ab`` appends runs), takes the median ratio per (D, N) over the
 runs, and draws one panel per head dim: ratio vs N, before and after, with
-the target 1.0 dashed.
+the target 1.0 dashed. A run with ``--variants`` has a row per variant: the
+``--*-variant`` options pick one ('MMA=0,MERGE_SPLIT=0'; '' the defaults),
+so before and after may be one log.
 """
 
 import argparse
@@ -20,16 +23,29 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def ratios(path: str) -> dict:
-    """{(D, N): median of ours / MLX over the log's runs}."""
+def knobs(text: str) -> dict:
+    """'MMA=0,MERGE_SPLIT=0' -> {'MMA': 0, 'MERGE_SPLIT': 0} (as bench_kernels.py)."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if not value.lstrip("-").isdigit():
+            raise ValueError(f"{item!r}: want NAME=INT")
+        out[name] = int(value)
+    return out
+
+
+def ratios(path: str, variant: str = "") -> dict:
+    """{(D, N): median of ours / MLX over the log's runs}, rows of ``variant``."""
+    want = knobs(variant)
     by_cell = defaultdict(list)
     with open(path) as f:
         for line in f:
             if line.startswith("{"):
                 for row in json.loads(line)["attention"]:
-                    by_cell[(row["D"], row["N"])].append(row["ratio"])
+                    if row.get("variant", {}) == want:
+                        by_cell[(row["D"], row["N"])].append(row["ratio"])
     if not by_cell:
-        raise ValueError(f"{path}: no bench_kernels.py JSON line found")
+        raise ValueError(f"{path}: no bench_kernels.py JSON row of variant {variant!r}")
     return {cell: statistics.median(rs) for cell, rs in by_cell.items()}
 
 
@@ -39,8 +55,11 @@ def main() -> int:
     p.add_argument("after")
     p.add_argument("out")
     p.add_argument("--title", default="")
+    p.add_argument("--before-variant", default="", help="the before rows' knobs")
+    p.add_argument("--after-variant", default="", help="the after rows' knobs")
     args = p.parse_args()
-    before, after = ratios(args.before), ratios(args.after)
+    before = ratios(args.before, args.before_variant)
+    after = ratios(args.after, args.after_variant)
     dims = sorted({d for d, _ in after})
     fig, axes = plt.subplots(1, len(dims), figsize=(4 * len(dims), 3.4), sharey=True)
     for ax, D in zip(axes if len(dims) > 1 else [axes], dims):
