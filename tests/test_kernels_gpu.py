@@ -256,6 +256,13 @@ def test_mma_supported(monkeypatch):
     assert not mma_supported(mx.float16, 64, 1, 4, "none")  # CUDA only
 
 
+def test_merge_keeps_every_split_weight():
+    from mlx_h2o.kernels import decode
+
+    # Pass 2's lanes keep the (m, l) of splits lane + 32 i, i < SPL.
+    assert "constexpr int SPL = 8;" in source.PASS2 and decode.MAX_SPLITS == 32 * 8
+
+
 def test_merge_blocks(monkeypatch):
     from mlx_h2o.kernels import decode
     from mlx_h2o.kernels.decode import merge_blocks

@@ -644,30 +644,55 @@ $FUSED_ROWS
       const int hq = hk * G + gr / L;
       const int l = gr % L;
       const i64 base = (i64)unit * S * R + r;  // + s * R
+      // Lane j reads the (m, l) of splits j + 32 i once (S <= 32 * SPL =
+      // decode.MAX_SPLITS) and keeps their weights for every warp's sums.
+      constexpr int SPL = 8;
+      float wv[SPL];
+      float lv[SPL];
       float M = -H2O_INF;
-      for (int s = lane; s < S; s += 32) M = H2O_FMAX(M, part_ml[(base + s * R) * 2]);
+      H2O_UNROLL
+      for (int i = 0; i < SPL; ++i) {
+        const int s = lane + 32 * i;
+        wv[i] = s < S ? part_ml[(base + s * R) * 2] : -H2O_INF;
+        lv[i] = s < S ? part_ml[(base + s * R) * 2 + 1] : 0.0f;
+        M = H2O_FMAX(M, wv[i]);
+      }
       for (int m_ = 16; m_ > 0; m_ >>= 1) M = H2O_FMAX(M, H2O_SHFL_XOR(M, m_));
 $SINK_MAX
       const float shift = M == -H2O_INF ? 0.0f : M;
       float lsum = 0.0f;
-      for (int s = lane; s < S; s += 32) {
-        const float m = part_ml[(base + s * R) * 2];
-        lsum += m == -H2O_INF ? 0.0f : part_ml[(base + s * R) * 2 + 1] * H2O_EXP(m - shift);
+      H2O_UNROLL
+      for (int i = 0; i < SPL; ++i) {
+        wv[i] = wv[i] == -H2O_INF ? 0.0f : H2O_EXP(wv[i] - shift);
+        lsum += lv[i] * wv[i];
       }
       for (int m_ = 16; m_ > 0; m_ >>= 1) lsum += H2O_SHFL_XOR(lsum, m_);
 $SINK_SUM
       float o[DL];
       H2O_UNROLL
       for (int i = 0; i < DL; ++i) o[i] = 0.0f;
-      H2O_UNROLL_N(4)
-      for (int s = warp; s < S; s += NG) {  // unrolled: independent loads in flight
-        const float m = part_ml[(base + s * R) * 2];
-        const float wgt = m == -H2O_INF ? 0.0f : H2O_EXP(m - shift);
-        const i64 prow = (base + s * R) * D;
-        H2O_UNROLL
-        for (int i = 0; i < DL; ++i) {
-          const int d = lane + 32 * i;
-          if (d >= d_lo && d < d_hi) o[i] += part_o[prow + d] * wgt;
+      // Warp w sums splits w, w + NG, ... in order, 32 / NG of them loaded
+      // together (one memory round trip), then weighted.
+      H2O_UNROLL
+      for (int i = 0; i < SPL; ++i) {
+        if (32 * i < S) {
+          float ov[32 / NG][DL];
+          H2O_UNROLL
+          for (int jj = 0; jj < 32 / NG; ++jj) {
+            const int s = 32 * i + warp + NG * jj;
+            const i64 prow = (base + s * R) * D;
+            H2O_UNROLL
+            for (int e = 0; e < DL; ++e) {
+              const int d = lane + 32 * e;
+              ov[jj][e] = s < S && d >= d_lo && d < d_hi ? part_o[prow + d] : 0.0f;
+            }
+          }
+          H2O_UNROLL
+          for (int jj = 0; jj < 32 / NG; ++jj) {
+            const float wgt = H2O_SHFL(wv[i], warp + NG * jj);
+            H2O_UNROLL
+            for (int e = 0; e < DL; ++e) o[e] += ov[jj][e] * wgt;
+          }
         }
       }
       H2O_BARRIER();  // the previous row's reads of red_o are done
