@@ -7,7 +7,7 @@ Reads the final JSON line of every ``bench_kernels.py`` run in each log
 (``gpu_run.sh ab`` appends runs), takes the median ratio per (D, N) over the
 runs, and draws one panel per head dim: ratio vs N, before and after, with
 the target 1.0 dashed. A run with ``--variants`` has a row per variant: the
-``--*-variant`` options pick one ('MMA=0,MERGE_SPLIT=0'; '' the defaults),
+``--*-variant`` options pick one ('MMA=0,MAX_ROWS=2'; '' the defaults),
 so before and after may be one log.
 """
 
@@ -24,7 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def knobs(text: str) -> dict:
-    """'MMA=0,MERGE_SPLIT=0' -> {'MMA': 0, 'MERGE_SPLIT': 0} (as bench_kernels.py)."""
+    """'MMA=0,MAX_ROWS=2' -> {'MMA': 0, 'MAX_ROWS': 2} (as bench_kernels.py)."""
     out = {}
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")

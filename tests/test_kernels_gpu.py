@@ -214,26 +214,6 @@ def test_mma_pass1_matches_float64(monkeypatch, case):
     assert ok, errs
 
 
-@needs_gpu
-@pytest.mark.parametrize("case", [Case(N=4097, Hq=32, Hk=8), Case(N=1025, D=80, L=3, sinks=True),
-                                  Case(N=3000, D=256, dtype="float32", splits=7)],
-                         ids=lambda c: c.label())
-def test_merge_split_equals_one_block_a_row(monkeypatch, case):
-    """Pass 2 with a block a 32-element slice of D (CUDA's default) gives what
-    a block a row gives (Metal's), bit for bit."""
-    from mlx_h2o.kernels import decode
-    from mlx_h2o.kernels.decode import decode_attention
-
-    q, k, v, mask, sinks = make_inputs(case, 3)
-    got = []
-    for split in (1, 0):
-        monkeypatch.setattr(decode, "MERGE_SPLIT", split)
-        got.append(decode_attention(q, k, v, scale=case.D ** -0.5, mask=mask, sinks=sinks,
-                                    num_splits=case.splits, poison=float("nan")))
-    for a, b in zip(*got):
-        assert mx.array_equal(a, b)
-
-
 def test_mma_supported(monkeypatch):
     from mlx_h2o.kernels import decode
     from mlx_h2o.kernels.decode import mma_supported
@@ -261,19 +241,6 @@ def test_merge_keeps_every_split_weight():
 
     # Pass 2's lanes keep the (m, l) of splits lane + 32 i, i < SPL.
     assert "constexpr int SPL = 8;" in source.PASS2 and decode.MAX_SPLITS == 32 * 8
-
-
-def test_merge_blocks(monkeypatch):
-    from mlx_h2o.kernels import decode
-    from mlx_h2o.kernels.decode import merge_blocks
-
-    monkeypatch.setattr(decode, "device_backend", lambda: "cuda")
-    assert [merge_blocks(d) for d in (64, 80, 128, 256)] == [2, 3, 4, 8]  # 32 elements a block
-    monkeypatch.setattr(decode, "MERGE_SPLIT", 0)
-    assert merge_blocks(128) == 1
-    monkeypatch.setattr(decode, "MERGE_SPLIT", 1)
-    monkeypatch.setattr(decode, "device_backend", lambda: "metal")
-    assert merge_blocks(128) == 1  # the Metal twin keeps a block a row
 
 
 def test_mma_source_is_cuda_only():

@@ -18,7 +18,6 @@ MAX_SPLITS = 256  # more never measured faster (docs/GPU.md, "--tune")
 TARGET_BLOCKS = 512  # ~4 blocks per SM on a 132-SM H100
 MIN_SPLIT_KEYS = 128
 MMA = 1  # tensor-core pass 1 (source_mma.py): 0 off, 1 where faster (D=64), 2 D 64 / 96 / 128
-MERGE_SPLIT = 1  # pass 2 on CUDA: a block a 32-element slice of D (merge_blocks); 0: a row
 MMA_TILE = 64  # keys per block iteration of the tensor-core pass 1
 SINGLE_PASS_MAX_N = 256  # below this one launch beats two (measured: docs/GPU.md)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -72,13 +71,6 @@ def mma_supported(dtype, D: int, L: int, G: int, kind: str) -> bool:
     dims = {1: (64,), 2: (64, 96, 128)}.get(MMA, ())
     return (device_backend() == "cuda" and dtype in (mx.float16, mx.bfloat16)
             and D in dims and kind in ("none", "causal") and G * L <= MAX_ROWS)
-
-
-def merge_blocks(D: int) -> int:
-    """Pass-2 blocks a query row (each a 32-element slice of D): on CUDA one a
-    slice (its merge of S x D partials was ~2x cuDNN's at 32K keys: the
-    H200 CUPTI trace, docs/GPU.md session 19); 1 on Metal (never run)."""
-    return -(-D // 32) if MERGE_SPLIT and device_backend() == "cuda" else 1
 
 
 def lanes_per_key(D: int, N: int) -> int:
@@ -221,8 +213,7 @@ def decode_attention(
         # What the plan depends on (mx.compile itself retraces on other input
         # shapes or dtypes): the plan is made only to compile a launch.
         signature = (q.shape, k.shape, q.dtype, mask_key, sinks is None, num_splits,
-                     KEYS_PER_LANE_GROUP, LANES_PER_KEY, MAX_ROWS, TARGET_BLOCKS, MMA,
-                     MERGE_SPLIT)
+                     KEYS_PER_LANE_GROUP, LANES_PER_KEY, MAX_ROWS, TARGET_BLOCKS, MMA)
         fn = _REPEATED.get(signature, lambda: _plan(q, k, mask, sinks, num_splits))
         if fn is not None:
             return tuple(fn(*arrays))
@@ -275,7 +266,7 @@ def _launch(q, k, v, prm_f, *extra, lay, kind, mh, S, has_sinks, mma=False, pois
     k2 = _make_pass2_kernel(has_sinks, False)
     out, lse = k2(
         inputs=[part_o, part_ml] + sinks, template=lay.template(q.dtype, D, L, G, Hk),
-        grid=(units * lay.R * merge_blocks(D) * NT, 1, 1),
+        grid=(units * lay.R * NT, 1, 1),
         threadgroup=(NT, 1, 1), output_shapes=[(B, Hq, L, D), (B, Hq, L)],
         output_dtypes=[q.dtype, f32], init_value=poison,
     )

@@ -112,7 +112,6 @@ CUDA_IDS = r"""
   const int warp = tid >> 5;
   const int blk_x = blockIdx.x;
   const int blk_y = blockIdx.y;
-  const int n_blk_x = gridDim.x;
   const int n_blk_y = gridDim.y;
 """
 
@@ -174,7 +173,6 @@ METAL_IDS = r"""
   const int warp = int(simdgroup_index_in_threadgroup);
   const int blk_x = int(threadgroup_position_in_grid.x);
   const int blk_y = int(threadgroup_position_in_grid.y);
-  const int n_blk_x = int(threadgroups_per_grid.x);
   const int n_blk_y = int(threadgroups_per_grid.y);
 """
 
@@ -476,13 +474,7 @@ $FUSED_ROWS
   const int S = part_ml_shape[1];
   H2O_SHARED float red_o[NG * D];
   H2O_SHARED float lse_sh[G * L];
-  // Unfused, the launch may give a row ND blocks, each one 32-element slice
-  // of D (more blocks reading the S x D partials at once; ND 1: all of D).
-  const int ND = FUSED_ROWS ? 1 : n_blk_x / (part_ml_shape[0] * R);
-  const int dc = blk_x % ND;
-  const int d_lo = ND > 1 ? 32 * dc : 0;
-  const int d_hi = ND > 1 ? H2O_MIN(D, d_lo + 32) : D;
-  const int i0 = FUSED_ROWS ? blk_x * RT * R : blk_x / ND;  // item = unit * R + row
+  const int i0 = FUSED_ROWS ? blk_x * RT * R : blk_x;  // item = unit * R + row
   const int ni = FUSED_ROWS ? RT * R : 1;
   for (int ii = 0; ii < ni; ++ii) {
     const int unit = (i0 + ii) / R;
@@ -535,7 +527,7 @@ $SINK_SUM
             H2O_UNROLL
             for (int e = 0; e < DL; ++e) {
               const int d = lane + 32 * e;
-              ov[jj][e] = s < S && d >= d_lo && d < d_hi ? part_o[prow + d] : 0.0f;
+              ov[jj][e] = s < S && d < D ? part_o[prow + d] : 0.0f;
             }
           }
           H2O_UNROLL
@@ -555,14 +547,14 @@ $SINK_SUM
       H2O_BARRIER();
       const i64 orow = (i64)(b * HK * G + hq) * L + l;
       const float inv = 1.0f / (lsum > 0.0f ? lsum : 1.0f);
-      for (int d = d_lo + tid; d < d_hi; d += NT) {
+      for (int d = tid; d < D; d += NT) {
         float acc = 0.0f;
         H2O_UNROLL
         for (int j = 0; j < NG; ++j) acc += red_o[j * D + d];
         out[orow * D + d] = static_cast<T>(acc * inv);
       }
       const float lse_v = H2O_LOG(lsum) + shift;
-      if (tid == 0 && dc == 0) lse[orow] = lse_v;
+      if (tid == 0) lse[orow] = lse_v;
       if (FUSED_ROWS && tid == 0) lse_sh[gr] = lse_v;
     }
   }
