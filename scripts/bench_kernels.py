@@ -239,8 +239,9 @@ def main():
                       f"{row['mlx_us'] - row['host_mlx_us']:<5.1f}"
                       + (f"  {name}" if several else ""), flush=True)
             if args.trace:
-                for name, fn in [(str(v) or "default", f) for v, f in zip(args.variants, ours)] + [
-                        ("mlx", mlx)]:
+                named = [(",".join(f"{k}={x}" for k, x in v.items()) or "default", f)
+                         for v, f in zip(args.variants, ours)]
+                for name, fn in named + [("mlx", mlx)]:
                     per = kernel_trace(fn, args.chain)
                     kernels = ", ".join(f"{k} {t:.1f}" for k, t in per.most_common(4))
                     print(f"       trace {name}: {sum(per.values()):.1f} us a call: {kernels}",
