@@ -229,6 +229,8 @@ def test_mma_supported(monkeypatch):
     assert not any(mma_supported(mx.float16, d, 1, 4, "none") for d in (80, 256))
     assert not mma_supported(mx.float16, 128, 1, 4, "bool")  # array masks: shared body
     assert not mma_supported(mx.float16, 128, 3, 4, "none")  # 12 rows: row tiles
+    monkeypatch.setattr(decode, "MAX_ROWS", 16)
+    assert not mma_supported(mx.float16, 128, 3, 4, "none")  # one tile of 12 rows: > 8
     monkeypatch.setattr(decode, "MMA", 0)
     assert not mma_supported(mx.float16, 64, 1, 4, "none")
     monkeypatch.setattr(decode, "MMA", 2)

@@ -70,7 +70,8 @@ def mma_supported(dtype, D: int, L: int, G: int, kind: str) -> bool:
     session 19), with 2 also at D 96 / 128; 0 never."""
     dims = {1: (64,), 2: (64, 96, 128)}.get(MMA, ())
     return (device_backend() == "cuda" and dtype in (mx.float16, mx.bfloat16)
-            and D in dims and kind in ("none", "causal") and G * L <= MAX_ROWS)
+            and D in dims and kind in ("none", "causal")
+            and G * L <= min(MAX_ROWS, 8))  # the MMA's 16 rows: 8 queries, 8 zero
 
 
 def lanes_per_key(D: int, N: int) -> int:
