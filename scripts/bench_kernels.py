@@ -174,7 +174,7 @@ def step_chains(N, D, dtype):
     return h2o, kvcache
 
 
-def main():
+def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dims", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--ns", type=int, nargs="+", default=[256, 1024, 4096, 16384, 32768])
@@ -195,7 +195,67 @@ def main():
                    help="also list each kernel's GPU us a call (CUPTI, needs torch)")
     p.add_argument("--plain", action="store_true",
                    help="never replay a compiled launch (every call rebuilds it)")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def variant_name(variant) -> str:
+    return ",".join(f"{k}={v}" for k, v in variant.items()) or "default"
+
+
+def attention_rows(args, D, N, dtype, bw):
+    """Time ours (each variant) and MLX's SDPA at (D, N), interleaved; print a
+    row per variant (and --trace / --tune lines); return the rows."""
+    ours, mlx, kv_bytes = attention_chains(N, D, dtype, variants=args.variants)
+    t_ours, t_mlx = [[] for _ in ours], []
+    for _ in range(3):  # interleave: noise hits every variant
+        for fn, ts in zip(ours, t_ours):
+            ts.append(timed(fn, args.chain, args.repeats))
+        t_mlx.append(timed(mlx, args.chain, args.repeats))
+    t_m, floor = statistics.median(t_mlx), kv_bytes / bw
+    rows = []
+    for variant, fn, ts in zip(args.variants, ours, t_ours):
+        t_o = statistics.median(ts)
+        row = dict(D=D, N=N, ours_us=t_o * 1e6, mlx_us=t_m * 1e6, ratio=t_o / t_m,
+                   gbps=kv_bytes / t_o / 1e9, floor_us=floor * 1e6, x_floor=t_o / floor,
+                   host_ours_us=HOST[fn] * 1e6, host_mlx_us=HOST[mlx] * 1e6, variant=variant)
+        rows.append(row)
+        print(f"{D:4d} {N:6d} {row['ours_us']:8.1f} {row['mlx_us']:8.1f} "
+              f"{row['ratio']:6.2f} {row['gbps']:6.0f} {row['floor_us']:8.1f} "
+              f"{row['x_floor']:7.2f} {row['host_ours_us']:5.1f}/"
+              f"{row['host_mlx_us']:<5.1f} {row['ours_us'] - row['host_ours_us']:5.1f}/"
+              f"{row['mlx_us'] - row['host_mlx_us']:<5.1f}"
+              + (f"  {variant_name(variant)}" if len(args.variants) > 1 else ""), flush=True)
+    if args.trace:
+        named = [(variant_name(v), f) for v, f in zip(args.variants, ours)] + [("mlx", mlx)]
+        for name, fn in named:
+            per = kernel_trace(fn, args.chain)
+            kernels = ", ".join(f"{k} {t:.1f}" for k, t in per.most_common(4))
+            print(f"       trace {name}: {sum(per.values()):.1f} us a call: {kernels}", flush=True)
+    if args.tune:
+        for S in args.tune_splits:
+            (o,), _, _ = attention_chains(N, D, dtype, splits=S)
+            print(f"       tune S={S:3d}: {timed(o, args.chain, args.repeats) * 1e6:8.1f} us",
+                  flush=True)
+    return rows
+
+
+def step_rows(args, dtype):
+    """Time a whole H2O decode-layer step against mlx-lm's KVCache step."""
+    print(f"{'D':>4s} {'N':>6s} {'h2o step us':>11s} {'kvcache us':>10s} {'ratio':>6s}")
+    steps = []
+    for N in (256, 1024, 4096):
+        h2o, kvc = step_chains(N, 128, dtype)
+        t_h = statistics.median([timed(h2o, args.chain, args.repeats) for _ in range(3)])
+        t_k = statistics.median([timed(kvc, args.chain, args.repeats) for _ in range(3)])
+        steps.append(dict(D=128, N=N, h2o_us=t_h * 1e6, kvcache_us=t_k * 1e6,
+                          ratio=t_h / t_k, host_h2o_us=HOST[h2o] * 1e6,
+                          host_kvcache_us=HOST[kvc] * 1e6))
+        print(f"{128:4d} {N:6d} {t_h * 1e6:11.1f} {t_k * 1e6:10.1f} {t_h / t_k:6.2f}", flush=True)
+    return steps
+
+
+def main():
+    args = parse_args()
     decode.KEYS_PER_LANE_GROUP = args.keys_per_group
     decode.LANES_PER_KEY = args.lanes_per_key
     if args.plain:
@@ -209,60 +269,12 @@ def main():
           f"heads={HQ}/{HK} chain={args.chain} repeats={args.repeats} U={args.keys_per_group} "
           f"TPK={args.lanes_per_key} plain={args.plain}")
     print(f"copy bandwidth (read+write): {bw / 1e9:.0f} GB/s")
-    several = len(args.variants) > 1
     print(f"{'D':>4s} {'N':>6s} {'ours us':>8s} {'mlx us':>8s} {'ratio':>6s} "
           f"{'GB/s':>6s} {'floor us':>8s} {'x floor':>7s} {'host us o/m':>11s} "
-          f"{'eval us o/m':>11s}" + ("  variant" if several else ""))
-    rows = []
-    for D in args.dims:
-        for N in args.ns:
-            ours, mlx, kv_bytes = attention_chains(N, D, dtype, variants=args.variants)
-            t_ours, t_mlx = [[] for _ in ours], []
-            for _ in range(3):  # interleave: noise hits every variant
-                for fn, ts in zip(ours, t_ours):
-                    ts.append(timed(fn, args.chain, args.repeats))
-                t_mlx.append(timed(mlx, args.chain, args.repeats))
-            t_m = statistics.median(t_mlx)
-            floor = kv_bytes / bw
-            for variant, fn, ts in zip(args.variants, ours, t_ours):
-                t_o = statistics.median(ts)
-                row = dict(D=D, N=N, ours_us=t_o * 1e6, mlx_us=t_m * 1e6, ratio=t_o / t_m,
-                           gbps=kv_bytes / t_o / 1e9, floor_us=floor * 1e6,
-                           x_floor=t_o / floor, host_ours_us=HOST[fn] * 1e6,
-                           host_mlx_us=HOST[mlx] * 1e6, variant=variant)
-                rows.append(row)
-                name = ",".join(f"{k}={v}" for k, v in variant.items()) or "default"
-                print(f"{D:4d} {N:6d} {row['ours_us']:8.1f} {row['mlx_us']:8.1f} "
-                      f"{row['ratio']:6.2f} {row['gbps']:6.0f} {row['floor_us']:8.1f} "
-                      f"{row['x_floor']:7.2f} {row['host_ours_us']:5.1f}/"
-                      f"{row['host_mlx_us']:<5.1f} {row['ours_us'] - row['host_ours_us']:5.1f}/"
-                      f"{row['mlx_us'] - row['host_mlx_us']:<5.1f}"
-                      + (f"  {name}" if several else ""), flush=True)
-            if args.trace:
-                named = [(",".join(f"{k}={x}" for k, x in v.items()) or "default", f)
-                         for v, f in zip(args.variants, ours)]
-                for name, fn in named + [("mlx", mlx)]:
-                    per = kernel_trace(fn, args.chain)
-                    kernels = ", ".join(f"{k} {t:.1f}" for k, t in per.most_common(4))
-                    print(f"       trace {name}: {sum(per.values()):.1f} us a call: {kernels}",
-                          flush=True)
-            if args.tune:
-                for S in args.tune_splits:
-                    (o,), _, _ = attention_chains(N, D, dtype, splits=S)
-                    print(f"       tune S={S:3d}: {timed(o, args.chain, args.repeats) * 1e6:8.1f} us",
-                          flush=True)
-    steps = []
-    if args.step:
-        print(f"{'D':>4s} {'N':>6s} {'h2o step us':>11s} {'kvcache us':>10s} {'ratio':>6s}")
-        for N in (256, 1024, 4096):
-            h2o, kvc = step_chains(N, 128, dtype)
-            t_h = statistics.median([timed(h2o, args.chain, args.repeats) for _ in range(3)])
-            t_k = statistics.median([timed(kvc, args.chain, args.repeats) for _ in range(3)])
-            steps.append(dict(D=128, N=N, h2o_us=t_h * 1e6, kvcache_us=t_k * 1e6,
-                              ratio=t_h / t_k, host_h2o_us=HOST[h2o] * 1e6,
-                              host_kvcache_us=HOST[kvc] * 1e6))
-            print(f"{128:4d} {N:6d} {t_h * 1e6:11.1f} {t_k * 1e6:10.1f} {t_h / t_k:6.2f}",
-                  flush=True)
+          f"{'eval us o/m':>11s}" + ("  variant" if len(args.variants) > 1 else ""))
+    rows = [row for D in args.dims for N in args.ns
+            for row in attention_rows(args, D, N, dtype, bw)]
+    steps = step_rows(args, dtype) if args.step else []
     print(json.dumps(dict(backend=gpu_backend(), mlx=mx.__version__, dtype=args.dtype,
                           copy_gbps=bw / 1e9, attention=rows, layer_step=steps)))
     return 0
