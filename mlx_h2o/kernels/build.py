@@ -100,8 +100,8 @@ def pass1_source(backend: str, mask: str, sinks: bool, split: bool, fused: bool)
         MASK_APPLY=_mask_apply(mask, fused),
         SINK_INIT=src.SINK_INIT_PASS1 if (sinks and not split) else "",
         WRITE_ROW=src.WRITE_PARTIAL if split else src.WRITE_FINAL,
-        NVALID="prm_i[5]" if fused else "NS",
-        TAIL=tail,
+        RANGE=Template(src.PASS1_RANGE).substitute(NVALID="prm_i[5]" if fused else "NS"),
+        KV_VEC=src.KV_VEC, TAIL=tail,
     )
     return header, body
 
@@ -121,7 +121,9 @@ def pass1mma_source(backend: str, mask: str):
     if mask not in MMA_MASK_KINDS:
         raise ValueError(f"the tensor-core pass 1 takes masks {MMA_MASK_KINDS}, not {mask!r}")
     header, ids = _prelude(backend)
-    body = Template(source_mma.PASS1_MMA).substitute(IDS=ids, MASK_APPLY=_mask_apply(mask, False))
+    body = Template(source_mma.PASS1_MMA).substitute(
+        IDS=ids, RANGE=Template(src.PASS1_RANGE).substitute(NVALID="NS"), KV_VEC=src.KV_VEC,
+        MASK_APPLY=_mask_apply(mask, False))
     return header + source_mma.MMA_HEADER, body
 
 

@@ -219,6 +219,36 @@ FUSED_SETUP = r"""
 
 FUSED_KPOS = "const int kpos = key == w ? Q : pos_in[pbase + key * pst];"
 
+# A pass-1 block's (sequence b, KV head hk, row tile rt) and the keys
+# [n0, n1) of its split, in multiples of STEP (both pass-1 kernels).
+PASS1_RANGE = r"""
+  const int unit = blk_x;
+  const int rt = unit % RT;
+  const int b = unit / (RT * HK);
+  const int hk = (unit / RT) % HK;
+  const int NS = k_shape[2];  // slots in the K/V buffer: the logits row stride
+  const int N = $NVALID;  // keys attended (the fused step may pass a longer buffer)
+  const int S = n_blk_y;
+  const int split = blk_y;
+  int chunk = (N + S - 1) / S;
+  chunk = (chunk + STEP - 1) / STEP * STEP;
+  const int n0 = split * chunk;
+  const int n1 = H2O_MIN(N, n0 + chunk);
+  const float scale = prm_f[0];
+""".lstrip("\n")
+
+# Row strides of K / V and whether 16-byte loads can read them (the last
+# axis contiguous, rows aligned; else element loads; both pass-1 kernels).
+KV_VEC = r"""
+  const i64 ks = k_strides[2];
+  const i64 vs = v_strides[2];
+  constexpr int VEC = 16 / (int)sizeof(T);
+  const bool kvec = k_strides[3] == 1 && H2O_ALIGNED16(k) && k_strides[0] % VEC == 0
+      && k_strides[1] % VEC == 0 && ks % VEC == 0;
+  const bool vvec = v_strides[3] == 1 && H2O_ALIGNED16(v) && v_strides[0] % VEC == 0
+      && v_strides[1] % VEC == 0 && vs % VEC == 0;
+""".lstrip("\n")
+
 PASS1 = r"""
 $IDS
   constexpr int NT = 128;
@@ -241,20 +271,7 @@ $IDS
   const int my_r = (li >> SH) / U;  // the (row, key) this lane owns after a reduction
   const int my_u = (li >> SH) % U;
   const bool owner = (li & ((1 << SH) - 1)) == 0;  // first of its replicas
-  const int unit = blk_x;
-  const int rt = unit % RT;
-  const int b = unit / (RT * HK);
-  const int hk = (unit / RT) % HK;
-  const int NS = k_shape[2];  // slots in the K/V buffer: the logits row stride
-  const int N = $NVALID;  // keys attended (the fused step may pass a longer buffer)
-  const int S = n_blk_y;
-  const int split = blk_y;
-  int chunk = (N + S - 1) / S;
-  chunk = (chunk + STEP - 1) / STEP * STEP;
-  const int n0 = split * chunk;
-  const int n1 = H2O_MIN(N, n0 + chunk);
-  const float scale = prm_f[0];
-
+$RANGE
   // Row r of this block is query head H2O_ROW_HQ(r), query H2O_ROW_L(r).
 $MASK_SETUP
 $FUSED_SETUP
@@ -272,14 +289,7 @@ $FUSED_SETUP
 
   const i64 kbase = b * k_strides[0] + hk * k_strides[1] + li * EPL * k_strides[3];
   const i64 vbase = b * v_strides[0] + hk * v_strides[1] + li * EPL * v_strides[3];
-  const i64 ks = k_strides[2];
-  const i64 vs = v_strides[2];
-  constexpr int VEC = 16 / (int)sizeof(T);
-  const bool kvec = k_strides[3] == 1 && H2O_ALIGNED16(k) && k_strides[0] % VEC == 0
-      && k_strides[1] % VEC == 0 && ks % VEC == 0;
-  const bool vvec = v_strides[3] == 1 && H2O_ALIGNED16(v) && v_strides[0] % VEC == 0
-      && v_strides[1] % VEC == 0 && vs % VEC == 0;
-
+$KV_VEC
   H2O_SHARED float gm_s[NG * R];
   H2O_SHARED float gl_s[NG * R];
   H2O_SHARED float m_s[R];

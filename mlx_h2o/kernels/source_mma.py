@@ -25,21 +25,16 @@ and were never run here).
 MMA_HEADER = r"""
 // D = A B + D for one m16n8k16 tile whose A rows 8-15 are zero: c0, c1 are
 // row lane / 4's columns 2 (lane % 4) + {0, 1}; z0, z1 (rows 8-15) stay zero.
-H2O_FN void h2o_mma(float& c0, float& c1, float& z0, float& z1, unsigned a0, unsigned a2,
-                    unsigned b0, unsigned b1, const __half*) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-      "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c0), "+f"(c1), "+f"(z0), "+f"(z1)
-      : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
-}
-
-H2O_FN void h2o_mma(float& c0, float& c1, float& z0, float& z1, unsigned a0, unsigned a2,
-                    unsigned b0, unsigned b1, const __nv_bfloat16*) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-      "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c0), "+f"(c1), "+f"(z0), "+f"(z1)
-      : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
-}
+#define H2O_MMA_FOR(TYPE, PTX)                                                       \
+  H2O_FN void h2o_mma(float& c0, float& c1, float& z0, float& z1, unsigned a0, unsigned a2,  \
+                      unsigned b0, unsigned b1, const TYPE*) {                        \
+    asm("mma.sync.aligned.m16n8k16.row.col.f32." PTX "." PTX ".f32 {%0,%1,%2,%3}, "  \
+        "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                                    \
+        : "+f"(c0), "+f"(c1), "+f"(z0), "+f"(z1)                                       \
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));                       \
+  }
+H2O_MMA_FOR(__half, "f16")
+H2O_MMA_FOR(__nv_bfloat16, "bf16")
 
 // Two floats as T, the first in the low half (the lower k of a fragment).
 template <typename T>
@@ -70,20 +65,7 @@ $IDS
   const int q4 = lane >> 2;  // S / O row; the key this lane reads for S
   const int t4 = lane & 3;
   const bool row_on = q4 < R;
-  const int unit = blk_x;
-  const int rt = unit % RT;
-  const int b = unit / (RT * HK);
-  const int hk = (unit / RT) % HK;
-  const int NS = k_shape[2];
-  const int N = NS;
-  const int S = n_blk_y;
-  const int split = blk_y;
-  int chunk = (N + S - 1) / S;
-  chunk = (chunk + STEP - 1) / STEP * STEP;
-  const int n0 = split * chunk;
-  const int n1 = H2O_MIN(N, n0 + chunk);
-  const float scale = prm_f[0];
-  const int r = q4;  // the row this lane masks and writes
+$RANGE  const int r = q4;  // the row this lane masks and writes
 
   // Q as A fragments, words 2h and 2h + 1 of slice j for k-step 2j + h.
   unsigned qa[KC][4];
@@ -103,14 +85,7 @@ $IDS
 
   const i64 kbase = b * k_strides[0] + hk * k_strides[1];
   const i64 vbase = b * v_strides[0] + hk * v_strides[1];
-  const i64 ks = k_strides[2];
-  const i64 vs = v_strides[2];
-  constexpr int VEC = 16 / (int)sizeof(T);
-  const bool kvec = k_strides[3] == 1 && H2O_ALIGNED16(k) && k_strides[0] % VEC == 0
-      && k_strides[1] % VEC == 0 && ks % VEC == 0;
-  const bool vvec = v_strides[3] == 1 && H2O_ALIGNED16(v) && v_strides[0] % VEC == 0
-      && v_strides[1] % VEC == 0 && vs % VEC == 0;
-
+$KV_VEC
   float m_run = -H2O_INF;  // row q4's max, the same in its quad
   float l_run = 0.0f;      // this lane's share of the row's sum
   float o[VE][2];

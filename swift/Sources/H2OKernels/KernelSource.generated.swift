@@ -290,6 +290,16 @@ $VSELECT
       }
 
 """#,
+        "KV_VEC": #"""
+  const i64 ks = k_strides[2];
+  const i64 vs = v_strides[2];
+  constexpr int VEC = 16 / (int)sizeof(T);
+  const bool kvec = k_strides[3] == 1 && H2O_ALIGNED16(k) && k_strides[0] % VEC == 0
+      && k_strides[1] % VEC == 0 && ks % VEC == 0;
+  const bool vvec = v_strides[3] == 1 && H2O_ALIGNED16(v) && v_strides[0] % VEC == 0
+      && v_strides[1] % VEC == 0 && vs % VEC == 0;
+
+"""#,
         "MASK_ADD": #"""
 x_ += static_cast<float>(mask[moff + (i64)key * mst3]);
 """#,
@@ -425,20 +435,7 @@ $IDS
   const int my_r = (li >> SH) / U;  // the (row, key) this lane owns after a reduction
   const int my_u = (li >> SH) % U;
   const bool owner = (li & ((1 << SH) - 1)) == 0;  // first of its replicas
-  const int unit = blk_x;
-  const int rt = unit % RT;
-  const int b = unit / (RT * HK);
-  const int hk = (unit / RT) % HK;
-  const int NS = k_shape[2];  // slots in the K/V buffer: the logits row stride
-  const int N = $NVALID;  // keys attended (the fused step may pass a longer buffer)
-  const int S = n_blk_y;
-  const int split = blk_y;
-  int chunk = (N + S - 1) / S;
-  chunk = (chunk + STEP - 1) / STEP * STEP;
-  const int n0 = split * chunk;
-  const int n1 = H2O_MIN(N, n0 + chunk);
-  const float scale = prm_f[0];
-
+$RANGE
   // Row r of this block is query head H2O_ROW_HQ(r), query H2O_ROW_L(r).
 $MASK_SETUP
 $FUSED_SETUP
@@ -456,14 +453,7 @@ $FUSED_SETUP
 
   const i64 kbase = b * k_strides[0] + hk * k_strides[1] + li * EPL * k_strides[3];
   const i64 vbase = b * v_strides[0] + hk * v_strides[1] + li * EPL * v_strides[3];
-  const i64 ks = k_strides[2];
-  const i64 vs = v_strides[2];
-  constexpr int VEC = 16 / (int)sizeof(T);
-  const bool kvec = k_strides[3] == 1 && H2O_ALIGNED16(k) && k_strides[0] % VEC == 0
-      && k_strides[1] % VEC == 0 && ks % VEC == 0;
-  const bool vvec = v_strides[3] == 1 && H2O_ALIGNED16(v) && v_strides[0] % VEC == 0
-      && v_strides[1] % VEC == 0 && vs % VEC == 0;
-
+$KV_VEC
   H2O_SHARED float gm_s[NG * R];
   H2O_SHARED float gl_s[NG * R];
   H2O_SHARED float m_s[R];
@@ -611,6 +601,22 @@ $WRITE_ROW
     }
   }
 $TAIL
+
+"""#,
+        "PASS1_RANGE": #"""
+  const int unit = blk_x;
+  const int rt = unit % RT;
+  const int b = unit / (RT * HK);
+  const int hk = (unit / RT) % HK;
+  const int NS = k_shape[2];  // slots in the K/V buffer: the logits row stride
+  const int N = $NVALID;  // keys attended (the fused step may pass a longer buffer)
+  const int S = n_blk_y;
+  const int split = blk_y;
+  int chunk = (N + S - 1) / S;
+  chunk = (chunk + STEP - 1) / STEP * STEP;
+  const int n0 = split * chunk;
+  const int n1 = H2O_MIN(N, n0 + chunk);
+  const float scale = prm_f[0];
 
 """#,
         "PASS2": #"""

@@ -45,7 +45,8 @@ public enum MetalKernels {
                 "MASK_APPLY": maskApply(mask, fused: fused),
                 "SINK_INIT": sinks && !split ? p["SINK_INIT_PASS1"]! : "",
                 "WRITE_ROW": split ? p["WRITE_PARTIAL"]! : p["WRITE_FINAL"]!,
-                "NVALID": fused ? "prm_i[5]" : "NS",
+                "RANGE": substitute(p["PASS1_RANGE"]!, ["NVALID": fused ? "prm_i[5]" : "NS"]),
+                "KV_VEC": p["KV_VEC"]!,
                 "TAIL": tail,
             ])
         let flags = "\(mask.rawValue)_\(bit(sinks))\(bit(split))\(bit(fused))"
