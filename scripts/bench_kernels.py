@@ -14,6 +14,7 @@ GPU); a final JSON line.
 """
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -51,24 +52,31 @@ def timed(fn, chain, repeats):
     return statistics.median(samples[1:])
 
 
+def cuda_kernel_times(prof, width=50):
+    """(total us, launches) per CUDA kernel, by its name's first ``width``
+    characters, of a torch.profiler trace (CUPTI records MLX's kernels too)."""
+    import torch
+
+    times, launches = collections.Counter(), collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            t = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            times[e.name[:width]] += t
+            launches[e.name[:width]] += 1
+    return times, launches
+
+
 def kernel_trace(fn, chain):
     """GPU us per call of each kernel ``fn(chain)`` runs, by kernel name, from a
     CUPTI trace (torch.profiler; it inflates durations a little)."""
-    import collections
-
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     mx.eval(fn(chain))  # compiled and allocated outside the trace
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         mx.eval(fn(chain))
         mx.synchronize()
-    names = collections.Counter()
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            t = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-            names[e.name[:50]] += t / chain
-    return names
+    times, _ = cuda_kernel_times(prof)
+    return collections.Counter({name: t / chain for name, t in times.items()})
 
 
 def copy_bandwidth(repeats):

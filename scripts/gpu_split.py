@@ -41,6 +41,7 @@ import mlx.core as mx
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
+from bench_kernels import cuda_kernel_times  # noqa: E402
 from gpu_cache_check import mlx_built, mlx_fold, prefill, without_groups  # noqa: E402
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache  # noqa: E402
 import mlx_h2o  # noqa: E402
@@ -201,7 +202,6 @@ def serial_split(model, cache, y, steps):
 def kernel_time(model, cache, y, steps):
     """GPU kernel ms per token (sum of CUPTI kernel durations), kernels per token,
     and per kernel name its total us and its launches."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     with mlx_h2o.patch(), profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -210,14 +210,8 @@ def kernel_time(model, cache, y, steps):
             mx.async_eval(y)
         mx.eval(y)
         mx.synchronize()
-    total, count = 0.0, 0
-    names, launches = collections.Counter(), collections.Counter()
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            t = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-            total, count = total + t, count + 1
-            names[e.name[:60]] += t
-            launches[e.name[:60]] += 1
+    names, launches = cuda_kernel_times(prof, 60)
+    total, count = sum(names.values()), sum(launches.values())
     return y, total / steps / 1e3, count / steps, names, launches
 
 
