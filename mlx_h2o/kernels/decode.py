@@ -228,11 +228,9 @@ def _plan(q, k, mask, sinks, num_splits):
     tpk = LANES_PER_KEY or lanes_per_key(D, N)
     lay = layout(D, q.dtype.size, Hq // Hk, L, KEYS_PER_LANE_GROUP, tpk, MAX_ROWS)
     kind, mh = mask_mode(mask, B, Hq, Hk, L, N)
-    units = B * Hk * lay.RT
-    S = num_splits or choose_splits(N, units, lay.tile, D)
-    mma = S > 1 and mma_supported(q.dtype, D, L, Hq // Hk, kind)
-    if mma and not num_splits:
-        S = choose_splits(N, units, MMA_TILE, D)
+    mma = mma_supported(q.dtype, D, L, Hq // Hk, kind)
+    S = num_splits or choose_splits(N, B * Hk * lay.RT, MMA_TILE if mma else lay.tile, D)
+    mma = mma and S > 1  # the tensor-core kernel writes partials only
     return partial(_launch, lay=lay, kind=kind, mh=mh, S=max(1, min(S, MAX_SPLITS)),
                    has_sinks=sinks is not None, mma=mma)
 
