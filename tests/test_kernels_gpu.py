@@ -255,30 +255,39 @@ def test_mma_source_is_cuda_only():
     assert not any(label.startswith("pass1mma") for label, *_ in build.all_sources("metal"))
 
 
-def test_repeated_compiles_a_signature_seen_before():
+def test_repeated_replays_a_signature_seen_before():
     from mlx_h2o.kernels.decode import Repeated
 
     traced, made = [], []
 
     def launch(x):
         traced.append(x.shape)
-        return x * 2
+        return (x * 2,)
 
     def make():
         made.append(1)
         return launch
 
     rep = Repeated(size=2)
-    assert rep.get("a", make) is None and not made  # first call: plain, no plan made
-    fn = rep.get("a", make)
-    assert fn is not None and rep.get("a", make) is fn and len(made) == 1
     x = mx.arange(3)
-    assert mx.array_equal(fn(x), x * 2) and mx.array_equal(fn(x + 1), (x + 1) * 2)
-    assert traced == [(3,)]  # traced once, replayed after
-    assert rep.get("b", make) is None  # "a" was used last: "b" pushes nothing out
-    assert rep.get("a", make) is fn
-    assert rep.get("c", make) is None  # now "b" is the oldest and goes
-    assert rep.get("a", make) is fn and rep.get("b", make) is None
+    call = lambda sig, a: rep.call(sig, make, [a])[0]  # noqa: E731
+    assert mx.array_equal(call("a", x), x * 2) and len(made) == 1  # plain
+    assert mx.array_equal(call("a", x + 1), (x + 1) * 2) and len(made) == 2  # recorded
+    assert mx.array_equal(call("a", x + 5), (x + 5) * 2) and len(made) == 2  # replayed
+    assert traced == [(3,), (3,)]
+    # An input shape the signature leaves out changed: recorded again, not wrong.
+    y = mx.arange(4)
+    assert mx.array_equal(call("a", y), y * 2) and len(made) == 3
+    assert mx.array_equal(call("a", y + 1), (y + 1) * 2) and len(made) == 3
+    call("b", x)  # two signatures: nothing pushed out
+    call("a", x)  # "a" used last: "b" is the oldest
+    assert list(rep._seen) == ["b", "a"] and rep._seen["a"] is not None
+    call("c", x)  # a third signature pushes "b" out
+    assert "b" not in rep._seen and rep._seen["a"] is not None
+    plain = Repeated(size=0)
+    for i in range(3):
+        assert mx.array_equal(plain.call("a", make, [x + i])[0], (x + i) * 2)
+    assert len(made) == 9 and not plain._seen  # "a" at x recorded again: 6 before
 
 
 class FakeKernel:

@@ -7,6 +7,7 @@ from typing import Optional, Tuple, Union
 
 import mlx.core as mx
 
+from .. import native
 from .build import (_make_pass1_kernel, _make_pass1_mma_kernel, _make_pass2_kernel,
                     device_backend, gpu_backend)
 
@@ -150,34 +151,42 @@ def params_f(scale: float, alpha: float = 0.95) -> mx.array:
 
 
 class Repeated:
-    """Compiled launches for call signatures seen before.
+    """Replayed launches for call signatures seen before.
 
     A chain of calls with one signature (a full cache, a fixed buffer, a
-    benchmark) replays an ``mx.compile`` graph instead of rebuilding each
-    custom-kernel call: 2-17 us less per call on the H100 at N <= 4K
-    (``bench_kernels.py`` against ``--plain``, docs/GPU.md "Session 15").
-    A signature's first call runs plain, so a growing cache (a new N every
-    step) never pays a trace; at most ``size`` compiled launches are kept
-    (a dropped one frees its MLX compile cache).
+    benchmark) replays the graph of its second call instead of rebuilding
+    each custom-kernel call: through ``native.replayer`` (a C++ tape where
+    it builds, else ``mx.compile``; docs/GPU.md, sessions 15 and 20). A
+    signature's first call runs plain, so a growing cache (a new N every
+    step) never records; at most ``size`` replays are kept (``size=0``:
+    every call plain).
     """
 
     def __init__(self, size: int = 32):
         self.size = size
-        self._seen = OrderedDict()  # signature -> compiled launch, or None once seen
+        self._seen = OrderedDict()  # signature -> replay, or None once seen
 
-    def get(self, signature, make):
-        """The compiled launch ``make()`` gives if ``signature`` was seen
-        before, else None (``make`` runs only when a launch is compiled)."""
+    def call(self, signature, make, arrays):
+        """``make()(*arrays)``, replayed if ``signature`` was seen twice
+        (``make`` runs only when a call is not replayed)."""
         fn = self._seen.get(signature, _NEW)
-        if fn is _NEW:
+        if fn is not None and fn is not _NEW:
+            self._seen.move_to_end(signature)
+            try:
+                return fn(*arrays)
+            except ValueError:  # an input shape the signature leaves out changed
+                fn = None
+        if fn is None:
+            launch = make()
+            outs = launch(*arrays)
+            self._seen[signature] = native.replayer(launch, arrays, outs)
+            self._seen.move_to_end(signature)
+            return outs
+        if self.size > 0:
             self._seen[signature] = None
             if len(self._seen) > self.size:
                 self._seen.popitem(last=False)
-            return None
-        if fn is None:
-            fn = self._seen[signature] = mx.compile(make())
-        self._seen.move_to_end(signature)
-        return fn
+        return make()(*arrays)
 
 
 _NEW = object()
@@ -215,9 +224,8 @@ def decode_attention(
         # shapes or dtypes): the plan is made only to compile a launch.
         signature = (q.shape, k.shape, q.dtype, mask_key, sinks is None, num_splits,
                      KEYS_PER_LANE_GROUP, LANES_PER_KEY, MAX_ROWS, TARGET_BLOCKS, MMA)
-        fn = _REPEATED.get(signature, lambda: _plan(q, k, mask, sinks, num_splits))
-        if fn is not None:
-            return tuple(fn(*arrays))
+        return tuple(_REPEATED.call(signature, lambda: _plan(q, k, mask, sinks, num_splits),
+                                    arrays))
     return _plan(q, k, mask, sinks, num_splits)(*arrays, poison=poison)
 
 

@@ -12,6 +12,7 @@ from typing import List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
+from .. import native
 from . import cubin
 from .build import SCORE_MODES, _make_group_kernel, gpu_backend
 from .decode import DTYPES, NT
@@ -79,7 +80,7 @@ class GroupPlan:
             self.template += [("BITS", bits), ("GS", group_size)]
         self.pins = _pins(pinned)
         precompiled = isinstance(self.kernel, cubin.PrecompiledKernel)
-        self._run = mx.compile(self._launch) if precompiled else self._launch
+        self._run = native.Replay(self._launch) if precompiled else self._launch
 
     def __call__(self, queries, keys, lay_i, lay_f, positions, score, count, slot) -> GroupFold:
         res = self._run(*queries, *keys, lay_i, lay_f, positions, score, count, slot)

@@ -10,6 +10,7 @@ from .build import (
     _make_pass2_kernel, _make_pass2_precompiled,
 )
 from .build import gpu_backend
+from .. import native
 from . import decode
 from .decode import NT, MAX_SPLITS, Mask, choose_splits, layout, mask_mode
 from .decode import params_f, supported
@@ -116,7 +117,7 @@ class StepPlan:
         def steady(*arrays):
             return self._launch(*arrays, kernels=self.steady_kernels)
 
-        self._steady = mx.compile(steady)
+        self._steady = native.Replay(steady)
 
     def splits(self, N: int) -> int:
         S = self._splits.get(N)

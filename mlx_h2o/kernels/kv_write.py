@@ -34,6 +34,7 @@ from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
+from .. import native
 from .build import _built_once, _prelude, gpu_backend, runs_on_gpu
 from .decode import DTYPES
 from .packed import row_words
@@ -232,7 +233,7 @@ class QuantizedWrite(NamedTuple):
 
 
 class WritePlan:
-    """The write for fixed settings; calls replay through mx.compile (host time)."""
+    """The write for fixed settings; calls replay a recorded launch (host time)."""
 
     def __init__(self, dtype, D, bits=None, group_size=64, dense_out=True, packed=False):
         self.quantized, self.dense_out, self.bits = bits is not None, dense_out, bits
@@ -241,7 +242,7 @@ class WritePlan:
         self.template = [("T", dtype), ("D", D)]
         if self.quantized:
             self.template += [("BITS", bits), ("GS", group_size)]
-        self._steady = mx.compile(self._launch)
+        self._steady = native.Replay(self._launch)
 
     def __call__(self, *arrays):
         return self._steady(*arrays)
