@@ -33,7 +33,7 @@ for step in "$@"; do
     tests)  # every test file with a GPU path (or those in $TESTS), on the GPU
       all="test_kernels_gpu test_group_fold_gpu test_queue_fold_gpu test_fused_wiring
         test_step_group test_deferred_scores test_kv_write_gpu test_quantized_kernel
-        test_evict_batch test_ops_step test_selfcheck"
+        test_evict_batch test_ops_step test_selfcheck test_native"
       files=$(for t in ${TESTS:-$all}; do printf 'tests/%s.py ' "$t"; done)
       # SIGINT at the limit: pytest still prints which tests failed and why
       timeout -s INT 450 python3 -m pytest -q -rf --tb=short -p no:cacheprovider $files \
