@@ -42,7 +42,7 @@ def inputs(rng, shape=(2, 3, 5, 4)):
 def test_tape_replays_the_graph_on_new_inputs(module):
     rng = np.random.default_rng(0)
     first = inputs(rng)
-    tape = module.Tape(first, list(graph(*first)))
+    tape = module.record(first, list(graph(*first)))
     assert tape.num_nodes >= 6
     for _ in range(3):
         args = inputs(rng)
@@ -58,7 +58,7 @@ def test_tape_replays_the_graph_on_new_inputs(module):
 def test_tape_keeps_arrays_that_do_not_depend_on_inputs(module):
     x = mx.array([1.0, 2.0])
     const = mx.zeros((2,)) + 4.0  # unevaluated, made outside: a constant
-    tape = module.Tape([x], [x * const, const])
+    tape = module.record([x], [x * const, const])
     y = mx.array([3.0, 5.0])
     prod, c = tape(y)
     assert prod.tolist() == [12.0, 20.0] and c.tolist() == [4.0, 4.0]
@@ -67,18 +67,14 @@ def test_tape_keeps_arrays_that_do_not_depend_on_inputs(module):
 @needs_cxx
 def test_tape_refuses_what_it_cannot_replay(module):
     x = mx.ones((2, 3))
-    with pytest.raises(ValueError, match="two inputs"):
-        module.Tape([x, x], [x + x])
+    assert module.record([x, x], [x + x]) is None  # one array as two inputs
     y = mx.ones((2, 3))
-    tape = module.Tape([x, y], [x - y])
-    with pytest.raises(ValueError, match="2 inputs, called with 1"):
-        tape(x)
-    with pytest.raises(ValueError, match="input 1 differs"):
-        tape(x, mx.ones((3, 2)))
-    with pytest.raises(ValueError, match="input 0 differs"):
-        tape(x.astype(mx.float16), y)
-    with pytest.raises(TypeError, match="input 1 is not an mx.array"):
-        tape(x, np.ones((2, 3)))
+    tape = module.record([x, y], [x - y])
+    assert tape(x) is None  # too few inputs
+    assert tape(x, mx.ones((3, 2))) is None  # another shape
+    assert tape(x.astype(mx.float16), y) is None  # another dtype
+    assert tape(x, np.ones((2, 3))) is None  # not an mx.array
+    assert tape(x + 1, y)[0].tolist() == [[1.0] * 3] * 2
 
 
 @needs_cxx

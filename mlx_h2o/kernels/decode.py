@@ -172,10 +172,10 @@ class Repeated:
         fn = self._seen.get(signature, _NEW)
         if fn is not None and fn is not _NEW:
             self._seen.move_to_end(signature)
-            try:
-                return fn(*arrays)
-            except ValueError:  # an input shape the signature leaves out changed
-                fn = None
+            outs = fn(*arrays)
+            if outs is not None:
+                return outs
+            fn = None  # an input shape the signature leaves out changed
         if fn is None:
             launch = make()
             outs = launch(*arrays)

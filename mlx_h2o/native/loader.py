@@ -150,7 +150,7 @@ def _self_test(module) -> None:
     """An mx.array must cross into the module and back (same nanobind ABI)."""
     x = mx.array([1.0, 2.0])
     y = x * 2 + 1
-    tape = module.Tape([x], [y])
+    tape = module.record([x], [y])
     z = mx.array([3.0, 4.0])
     (got,) = tape(z)
     if not isinstance(got, mx.array) or got.tolist() != [7.0, 9.0]:

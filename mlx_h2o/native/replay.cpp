@@ -9,12 +9,16 @@
 // The primitives are shared between calls, as compiled replays share them.
 // Arrays of the recording that do not depend on an input are kept as
 // constants (mx.compile's rule for captured arrays).
+//
+// Nothing here throws: a C++ exception crossing into MLX's nanobind (whose
+// backend this module shares) crashed the process on the CUDA machine. A call
+// whose inputs differ from the recording returns None; record() returns None
+// where a Tape cannot tell its inputs apart (one array passed twice).
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/vector.h>
 
-#include <sstream>
-#include <stdexcept>
+#include <memory>
 #include <unordered_map>
 
 #include "mlx/array.h"
@@ -39,9 +43,8 @@ class Tape {
        const std::vector<mx::array>& outputs) {
     for (size_t i = 0; i < inputs.size(); ++i) {
       if (!index_.emplace(inputs[i].id(), int(i)).second) {
-        throw std::invalid_argument(
-            "[Tape] the same array is passed as two inputs; record with "
-            "distinct arrays (or use mx.compile)");
+        valid_ = false;
+        return;
       }
       in_shapes_.push_back(inputs[i].shape());
       in_dtypes_.push_back(inputs[i].dtype());
@@ -64,29 +67,25 @@ class Tape {
     depends_.clear();
   }
 
+  bool valid() const {
+    return valid_;
+  }
+
   nb::object call(nb::args args) const {
     const size_t n_in = in_shapes_.size();
     if (args.size() != n_in) {
-      std::ostringstream msg;
-      msg << "[Tape] recorded with " << n_in << " inputs, called with "
-          << args.size();
-      throw std::invalid_argument(msg.str());
+      return nb::none();
     }
     std::vector<mx::array> values;
     values.reserve(n_in + constants_.size() + n_values_);
     for (size_t i = 0; i < n_in; ++i) {
       nb::handle h = args[i];
       if (!nb::isinstance<mx::array>(h)) {
-        std::ostringstream msg;
-        msg << "[Tape] input " << i << " is not an mx.array";
-        throw nb::type_error(msg.str().c_str());
+        return nb::none();
       }
       const auto& x = nb::cast<const mx::array&>(h);
       if (x.dtype() != in_dtypes_[i] || x.shape() != in_shapes_[i]) {
-        std::ostringstream msg;
-        msg << "[Tape] input " << i << " differs in shape or dtype from the "
-            << "recorded call; record a new Tape for new shapes";
-        throw std::invalid_argument(msg.str());
+        return nb::none();
       }
       values.push_back(x);
     }
@@ -185,6 +184,7 @@ class Tape {
   std::vector<Node> nodes_;
   std::vector<int> outputs_;
   size_t n_values_ = 0;
+  bool valid_ = true;
   std::unordered_map<std::uintptr_t, int> index_;  // recording only
   std::unordered_map<std::uintptr_t, bool> depends_;  // recording only
 };
@@ -193,9 +193,18 @@ class Tape {
 
 NB_MODULE(_replay, m) {
   nb::class_<Tape>(m, "Tape")
-      .def(nb::init<const std::vector<mx::array>&,
-                    const std::vector<mx::array>&>(),
-           "inputs"_a, "outputs"_a)
       .def("__call__", &Tape::call)
       .def_prop_ro("num_nodes", &Tape::num_nodes);
+  m.def(
+      "record",
+      [](const std::vector<mx::array>& inputs,
+         const std::vector<mx::array>& outputs) -> nb::object {
+        auto tape = std::make_unique<Tape>(inputs, outputs);
+        if (!tape->valid()) {
+          return nb::none();
+        }
+        return nb::cast(tape.release(), nb::rv_policy::take_ownership);
+      },
+      "inputs"_a,
+      "outputs"_a);
 }
