@@ -81,9 +81,10 @@ for step in "$@"; do
         --ns ${NS:-1024 4096 16384 32768} --variants "$@" 2>&1 \
         | tee -a "$OUT/bench_variants.log" | grep -v "^{" || status=1 ;;
     mma)  # the tensor-core pass 1 (session 19): timings with it at D=64 (the default)
-          # and off, with GPU time per kernel, then its float64 checks and the shared body's
+          # and off ($VARIANTS), with GPU time per kernel, then its float64 checks and the shared body's
+      eval "set -- ${VARIANTS:-\"\" MMA=0}"
       python3 scripts/bench_kernels.py --repeats 3 --dims ${DIMS:-64 128} \
-        --ns ${NS:-4096 16384 32768} --variants "" MMA=0 --trace 2>&1 \
+        --ns ${NS:-4096 16384 32768} --variants "$@" --trace 2>&1 \
         | tee -a "$OUT/bench_mma.log" | grep -v "^{" || status=1
       timeout -s INT 270 python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
         tests/test_kernels_gpu.py -k "mma or float64" 2>&1 | tee "$OUT/pytest_mma.log" | tail -8 ;;

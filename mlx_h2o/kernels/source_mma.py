@@ -25,6 +25,12 @@ and were never run here).
 
 # Appended to source.CUDA_HEADER for this kernel only.
 MMA_HEADER = r"""
+// At most 128 registers a thread, so 4 blocks of 128 threads fit an SM: at
+// D=128 this kernel took 162 (3 blocks an SM) and was slower than the shared
+// body (session 19). MLX writes the kernel's declaration after this header,
+// so its __global__ carries the bounds (D=64 takes 100 either way).
+#undef __global__
+#define __global__ __location__(global) __launch_bounds__(128, 4)
 // D = A B + D for one m16n8k16 tile whose A rows 8-15 are zero: c0, c1 are
 // row lane / 4's columns 2 (lane % 4) + {0, 1}; z0, z1 (rows 8-15) stay zero.
 #define H2O_MMA_FOR(TYPE, PTX)                                                       \
