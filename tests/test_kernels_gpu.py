@@ -220,8 +220,8 @@ def test_mma_supported(monkeypatch):
 
     monkeypatch.setattr(decode, "device_backend", lambda: "cuda")
     monkeypatch.setattr(decode, "MMA", 1)  # the default: where it measured faster
-    assert mma_supported(mx.float16, 64, 1, 4, "none")
-    assert not any(mma_supported(mx.float16, d, 1, 4, "none") for d in (96, 128))
+    assert mma_supported(mx.float16, 64, 1, 4, "none") and mma_supported(mx.float16, 96, 1, 4, "none")
+    assert not mma_supported(mx.float16, 128, 1, 4, "none")
     monkeypatch.setattr(decode, "MMA", 2)
     assert mma_supported(mx.float16, 128, 1, 4, "none")
     assert mma_supported(mx.bfloat16, 64, 8, 1, "causal") and mma_supported(mx.float16, 96, 1, 8, "none")
@@ -252,6 +252,8 @@ def test_mma_source_is_cuda_only():
         build.pass1mma_source("cuda", "bool")
     header, body = build.pass1mma_source("cuda", "causal")
     assert "mma.sync" in header and source.MASK_CAUSAL in body
+    # 128 registers at most (4 blocks an SM): the bounds ride on __global__.
+    assert "#define __global__ __location__(global) __launch_bounds__(128, 4)" in header
     assert not any(label.startswith("pass1mma") for label, *_ in build.all_sources("metal"))
 
 

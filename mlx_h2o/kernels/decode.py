@@ -18,7 +18,7 @@ MAX_ROWS = 8  # query rows per block: registers hold R * EPL floats twice
 MAX_SPLITS = 256  # more never measured faster (docs/GPU.md, "--tune")
 TARGET_BLOCKS = 512  # ~4 blocks per SM on a 132-SM H100
 MIN_SPLIT_KEYS = 128
-MMA = 1  # tensor-core pass 1 (source_mma.py): 0 off, 1 where faster (D=64), 2 D 64 / 96 / 128
+MMA = 1  # tensor-core pass 1 (source_mma.py): 0 off, 1 where faster (D 64 / 96), 2 also D=128
 MMA_TILE = 64  # keys per block iteration of the tensor-core pass 1
 SINGLE_PASS_MAX_N = 256  # below this one launch beats two (measured: docs/GPU.md)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -66,10 +66,10 @@ def layout(D: int, itemsize: int, G: int, L: int, U: int = 0, TPK: int = 0,
 def mma_supported(dtype, D: int, L: int, G: int, kind: str) -> bool:
     """Whether a split launch takes the tensor-core pass 1 (CUDA, float16 /
     bfloat16, no mask or causal, <= 8 query rows a KV head; sinks are pass
-    2's): with ``MMA`` 1 at D=64, where it measured faster than the shared
-    body on an H200 (D=128 slower: 162 registers, 3 blocks an SM; docs/GPU.md
-    session 19), with 2 also at D 96 / 128; 0 never."""
-    dims = {1: (64,), 2: (64, 96, 128)}.get(MMA, ())
+    2's): with ``MMA`` 1 at D 64 / 96, where it measured faster than the
+    shared body on an H200 (D=128 slower, also at 128 registers; docs/GPU.md
+    sessions 19-20), with 2 also at D=128; 0 never."""
+    dims = {1: (64, 96), 2: (64, 96, 128)}.get(MMA, ())
     return (device_backend() == "cuda" and dtype in (mx.float16, mx.bfloat16)
             and D in dims and kind in ("none", "causal")
             and G * L <= min(MAX_ROWS, 8))  # the MMA's 16 rows: 8 queries, 8 zero
