@@ -19,6 +19,7 @@ MAX_SPLITS = 256  # more never measured faster (docs/GPU.md, "--tune")
 TARGET_BLOCKS = 512  # ~4 blocks per SM on a 132-SM H100
 MIN_SPLIT_KEYS = 128
 MMA = 1  # tensor-core pass 1 (source_mma.py): 0 off, 1 where faster (D 64 / 96), 2 also D=128
+MMA_TILE = 64  # keys per block iteration of the tensor-core pass 1
 SINGLE_PASS_MAX_N = 256  # below this one launch beats two (measured: docs/GPU.md)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
@@ -72,12 +73,6 @@ def mma_supported(dtype, D: int, L: int, G: int, kind: str) -> bool:
     return (device_backend() == "cuda" and dtype in (mx.float16, mx.bfloat16)
             and D in dims and kind in ("none", "causal")
             and G * L <= min(MAX_ROWS, 8))  # the MMA's 16 rows: 8 queries, 8 zero
-
-
-def mma_tile(D: int) -> int:
-    """Keys a block iteration of the tensor-core pass 1: 4 warps of 16 keys,
-    of 8 at D=128 (source_mma.PASS1_MMA's TAU)."""
-    return 4 * (8 if D >= 128 else 16)
 
 
 def lanes_per_key(D: int, N: int) -> int:
@@ -242,7 +237,7 @@ def _plan(q, k, mask, sinks, num_splits):
     lay = layout(D, q.dtype.size, Hq // Hk, L, KEYS_PER_LANE_GROUP, tpk, MAX_ROWS)
     kind, mh = mask_mode(mask, B, Hq, Hk, L, N)
     mma = mma_supported(q.dtype, D, L, Hq // Hk, kind)
-    S = num_splits or choose_splits(N, B * Hk * lay.RT, mma_tile(D) if mma else lay.tile, D)
+    S = num_splits or choose_splits(N, B * Hk * lay.RT, MMA_TILE if mma else lay.tile, D)
     mma = mma and S > 1  # the tensor-core kernel writes partials only
     return partial(_launch, lay=lay, kind=kind, mh=mh, S=max(1, min(S, MAX_SPLITS)),
                    has_sinks=sinks is not None, mma=mma)

@@ -45,19 +45,6 @@ MMA_HEADER = r"""
 H2O_MMA_FOR(__half, "f16")
 H2O_MMA_FOR(__nv_bfloat16, "bf16")
 
-// The same for m16n8k8 (8 keys a warp iteration, D=128): a0 row lane / 4's
-// k = 2 (lane % 4) + {0, 1}, b0 those two k of column lane / 4.
-#define H2O_MMA8_FOR(TYPE, PTX)                                                      \
-  H2O_FN void h2o_mma8(float& c0, float& c1, float& z0, float& z1, unsigned a0,      \
-                       unsigned b0, const TYPE*) {                                   \
-    asm("mma.sync.aligned.m16n8k8.row.col.f32." PTX "." PTX ".f32 {%0,%1,%2,%3}, "  \
-        "{%4,%5}, {%6}, {%0,%1,%2,%3};\n"                                            \
-        : "+f"(c0), "+f"(c1), "+f"(z0), "+f"(z1)                                       \
-        : "r"(a0), "r"(0u), "r"(b0));                                                \
-  }
-H2O_MMA8_FOR(__half, "f16")
-H2O_MMA8_FOR(__nv_bfloat16, "bf16")
-
 // Two floats as T, the first in the low half (the lower k of a fragment).
 template <typename T>
 H2O_FN unsigned h2o_pack2(float lo, float hi) {
@@ -78,9 +65,7 @@ PASS1_MMA = r"""
 $IDS
   constexpr int NT = 128;
   constexpr int NG = NT / 32;
-  // Keys a warp iteration: 16, or 8 at D=128 (half the K / V registers).
-  constexpr int TAU = D >= 128 ? 1 : 2;  // groups of 8 keys
-  constexpr int STEP = NG * 8 * TAU;     // keys per block iteration
+  constexpr int STEP = NG * 16;  // keys per block iteration: 16 a warp
   constexpr int KC = D / 32;     // 16-byte K slices a lane reads per key
   constexpr int VE = D / 8;      // V elements a lane reads per key (= n8 tiles)
   constexpr int VW = VE % 8 == 0 ? 8 : 4;  // V elements a fetch
@@ -119,14 +104,14 @@ $KV_VEC
   // they chain at most VE / 4 MMAs (registers: ~2 * VE fewer).
   float z[4][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}, {0.0f, 0.0f}, {0.0f, 0.0f}};
 
-  for (int base = n0 + warp * 8 * TAU; base < n1; base += STEP) {
+  for (int base = n0 + warp * 16; base < n1; base += STEP) {
     // K rows base + 8 tau + q4; V rows base + 8 (c >> 1) + 2 t4 + (c & 1),
     // read once S is done (K's registers free: ~200 registers a thread at
     // D=128 with both in flight, 2 blocks an SM).
-    H2ORaw<T, 8> kr[TAU][KC];
-    H2ORaw<T, VW> vr[2 * TAU][NV];
+    H2ORaw<T, 8> kr[2][KC];
+    H2ORaw<T, VW> vr[4][NV];
     H2O_UNROLL
-    for (int tau = 0; tau < TAU; ++tau) {
+    for (int tau = 0; tau < 2; ++tau) {
       const int key = base + 8 * tau + q4;
       H2O_UNROLL
       for (int j = 0; j < KC; ++j) {
@@ -139,9 +124,9 @@ $KV_VEC
       }
     }
     // S: row q4, keys base + 8 tau + 2 t4 + {0, 1} in s[tau][0 .. 1].
-    float s[TAU][2];
+    float s[2][2];
     H2O_UNROLL
-    for (int tau = 0; tau < TAU; ++tau) {
+    for (int tau = 0; tau < 2; ++tau) {
       s[tau][0] = s[tau][1] = 0.0f;
       H2O_UNROLL
       for (int j = 0; j < KC; ++j) {
@@ -154,7 +139,7 @@ $KV_VEC
       }
     }
     H2O_UNROLL
-    for (int c = 0; c < 2 * TAU; ++c) {
+    for (int c = 0; c < 4; ++c) {
       const int key = base + 8 * (c >> 1) + 2 * t4 + (c & 1);
       H2O_UNROLL
       for (int f = 0; f < NV; ++f) {
@@ -166,10 +151,10 @@ $KV_VEC
         }
       }
     }
-    float p[2 * TAU];
+    float p[4];
     float mx = -H2O_INF;
     H2O_UNROLL
-    for (int c = 0; c < 2 * TAU; ++c) {
+    for (int c = 0; c < 4; ++c) {
       const int key = base + 8 * (c >> 1) + 2 * t4 + (c & 1);
       float x_ = -H2O_INF;
       if (key < n1 && row_on) {
@@ -186,28 +171,21 @@ $MASK_APPLY
     const float shift = m_new == -H2O_INF ? 0.0f : m_new;
     const float alpha = m_run == -H2O_INF ? 0.0f : H2O_EXP(m_run - m_new);
     H2O_UNROLL
-    for (int c = 0; c < 2 * TAU; ++c) p[c] = H2O_EXP(p[c] - shift);
-    l_run = l_run * alpha + (TAU == 2 ? (p[0] + p[1]) + (p[2 * TAU - 2] + p[2 * TAU - 1])
-                                      : p[0] + p[1]);
+    for (int c = 0; c < 4; ++c) p[c] = H2O_EXP(p[c] - shift);
+    l_run = l_run * alpha + ((p[0] + p[1]) + (p[2] + p[3]));
     m_run = m_new;
     // O += P V: P's A fragment is S's layout; V's B fragment of tile i packs
     // element i of keys 2 t4 + {0, 1} (b0 b1) and 8 + 2 t4 + {0, 1} (b2 b3).
     const unsigned pa0 = h2o_pack2<T>(p[0], p[1]);
-    const unsigned pa1 = h2o_pack2<T>(p[2 * TAU - 2], p[2 * TAU - 1]);
+    const unsigned pa1 = h2o_pack2<T>(p[2], p[3]);
     H2O_UNROLL
     for (int i = 0; i < VE; ++i) {
       o[i][0] *= alpha;
       o[i][1] *= alpha;
       const unsigned b0 = h2o_pair<VW>(vr[0][i / VW], vr[1][i / VW], i % VW);
-      if constexpr (TAU == 2) {
-        const unsigned b1 = h2o_pair<VW>(vr[2 * TAU - 2][i / VW], vr[2 * TAU - 1][i / VW],
-                                         i % VW);
-        h2o_mma(o[i][0], o[i][1], z[i % 4][0], z[i % 4][1], pa0, pa1, b0, b1,
-                static_cast<const T*>(nullptr));
-      } else {
-        h2o_mma8(o[i][0], o[i][1], z[i % 4][0], z[i % 4][1], pa0, b0,
-                 static_cast<const T*>(nullptr));
-      }
+      const unsigned b1 = h2o_pair<VW>(vr[2][i / VW], vr[3][i / VW], i % VW);
+      h2o_mma(o[i][0], o[i][1], z[i % 4][0], z[i % 4][1], pa0, pa1, b0, b1,
+              static_cast<const T*>(nullptr));
     }
   }
 
