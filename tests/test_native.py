@@ -127,3 +127,16 @@ def test_replay_records_once_and_again_for_new_shapes(module):
     z, w = mx.ones((3,)), mx.ones((3,))
     assert rep(z, w)[0].tolist() == [2.0, 2.0, 2.0] and calls == [(2,), (3,)]
     assert rep(z + 1, w)[0].tolist() == [3.0, 3.0, 3.0] and len(calls) == 2
+
+
+def test_load_is_quiet_without_nanobind(monkeypatch, recwarn):
+    monkeypatch.setattr(build.importlib.util, "find_spec", lambda name: None)
+    assert build.load.__wrapped__() is None
+    assert not recwarn.list  # the native extra is optional: no warning
+
+
+def test_load_warns_when_the_build_fails(monkeypatch):
+    monkeypatch.setattr(build, "build", lambda verbose=False: (_ for _ in ()).throw(
+        RuntimeError("no C++ compiler (set CXX)")))
+    with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
+        assert build.load.__wrapped__() is None

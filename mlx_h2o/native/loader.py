@@ -7,7 +7,8 @@ version MLX was built with (3.1.0 for mlx 0.32.4); ``load()`` checks that an
 ``mx.array`` round-trips and returns None otherwise, as it does where a C++
 compiler, Python's headers or nanobind are missing. The build (~1 min on 2
 cores) goes to ``cache_dir()`` under a digest of everything it depends on,
-written atomically; later processes load it in milliseconds.
+written atomically; later processes load it in milliseconds. Run on Linux
+x86-64 (g++, CPU and CUDA MLX); the macOS link line was never run.
 """
 
 import hashlib
@@ -99,8 +100,8 @@ def _compile(cxx: str, nb_dir: Path, includes: List[str], libmlx: Path, out: Pat
             raise RuntimeError(f"compile failed:\n{log[-2000:]}")
     link = [cxx, "-shared", str(mod_obj), str(nb_obj), "-o", str(out), str(libmlx),
             f"-Wl,-rpath,{libmlx.parent}"]
-    if sys.platform != "darwin":
-        link.append("-Wl,--gc-sections")
+    # Python's symbols come from the interpreter that loads the module.
+    link += ["-undefined", "dynamic_lookup"] if sys.platform == "darwin" else ["-Wl,--gc-sections"]
     res = subprocess.run(link, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"link failed:\n{res.stderr[-2000:]}")
@@ -131,8 +132,10 @@ def build(verbose: bool = False) -> Path:
 
 @lru_cache(maxsize=1)
 def load():
-    """The ``_replay`` module, built if needed, or None (a warning says why)."""
-    if cache_dir() is None:
+    """The ``_replay`` module, built if needed, or None: quietly where it is
+    turned off or nanobind (the ``native`` extra) is not installed, with a
+    warning saying why where a build or its self-test fails."""
+    if cache_dir() is None or importlib.util.find_spec("nanobind") is None:
         return None
     try:
         path = build(verbose=True)
