@@ -209,7 +209,7 @@ def decode_attention(
     ``num_splits`` overrides the split count (1: single pass); ``poison``
     (tests) fills every output, partials included, before the kernels run.
     A repeated call (same shapes, dtypes, mask kind and splits) replays a
-    compiled launch; K / V strides are read when the kernel runs.
+    recorded launch; K / V strides are read when the kernel runs.
     """
     arrays = [q, k, v, params_f(float(scale))]
     if isinstance(mask, mx.array):
@@ -220,8 +220,8 @@ def decode_attention(
     if sinks is not None:
         arrays.append(sinks)
     if poison is None:
-        # What the plan depends on (mx.compile itself retraces on other input
-        # shapes or dtypes): the plan is made only to compile a launch.
+        # What the plan depends on (a replay refuses other input shapes or
+        # dtypes itself): the plan is made only when a call is not replayed.
         signature = (q.shape, k.shape, q.dtype, mask_key, sinks is None, num_splits,
                      KEYS_PER_LANE_GROUP, LANES_PER_KEY, MAX_ROWS, TARGET_BLOCKS, MMA)
         return tuple(_REPEATED.call(signature, lambda: _plan(q, k, mask, sinks, num_splits),
