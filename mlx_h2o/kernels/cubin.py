@@ -29,6 +29,8 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
+from ..native.loader import build_cache
+
 CACHE_ENV = "MLX_H2O_CUBIN_CACHE"  # a directory; "0" turns precompiled kernels off
 CTYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float",
           mx.int32: "int", mx.uint32: "unsigned int", mx.bool_: "bool"}
@@ -37,14 +39,7 @@ INT32_MAX = 2**31 - 1
 
 def cache_dir() -> Optional[Path]:
     """Where cubins are kept (None: precompiled kernels are off)."""
-    env = os.environ.get(CACHE_ENV)
-    if env == "0":
-        return None
-    try:
-        root = Path(env) if env else Path.home() / ".cache" / "mlx_h2o" / "cubin"
-    except RuntimeError:  # no home directory to find
-        return None
-    return root / mx.__version__
+    return build_cache(CACHE_ENV, "cubin")
 
 
 def _loaded(fragment: str) -> Optional[str]:

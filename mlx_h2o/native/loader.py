@@ -32,16 +32,23 @@ SOURCE = Path(__file__).with_name("replay.cpp")
 MODULE = "_replay"
 
 
-def cache_dir() -> Optional[Path]:
-    """Where built modules are kept (None: the native helper is off)."""
-    env = os.environ.get(CACHE_ENV)
-    if env == "0":
+def build_cache(env: str, name: str) -> Optional[Path]:
+    """Where artefacts built once per machine for this MLX version go:
+    ``$env`` if set (``"0"``: None, the feature is off), else
+    ``~/.cache/mlx_h2o/<name>``; then the MLX version."""
+    value = os.environ.get(env)
+    if value == "0":
         return None
     try:
-        root = Path(env) if env else Path.home() / ".cache" / "mlx_h2o" / "native"
+        root = Path(value) if value else Path.home() / ".cache" / "mlx_h2o" / name
     except RuntimeError:  # no home directory to find
         return None
     return root / mx.__version__
+
+
+def cache_dir() -> Optional[Path]:
+    """Where built modules are kept (None: the native helper is off)."""
+    return build_cache(CACHE_ENV, "native")
 
 
 def _mlx_dir() -> Path:
