@@ -1,12 +1,14 @@
 """The native Tape (mlx_h2o/native/replay.cpp) against plain MLX graphs.
 
 Built here like on a user's machine (once per machine into the cache dir);
-skipped only where no C++ compiler exists. Graphs use plain MLX ops, which a
+skipped only where no C++ compiler or no Python headers exist. Graphs use plain MLX ops, which a
 Tape replays like custom-kernel launches: multi-output primitives, constants,
 inputs used twice, outputs that are inputs or constants.
 """
 
 import shutil
+import sysconfig
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -16,7 +18,9 @@ from mlx_h2o import native
 from mlx_h2o.native import loader as build
 
 needs_cxx = pytest.mark.skipif(
-    not (shutil.which("c++") or shutil.which("g++")), reason="no C++ compiler to build the Tape"
+    not (shutil.which("c++") or shutil.which("g++"))
+    or not Path(sysconfig.get_paths()["include"], "Python.h").exists(),
+    reason="no C++ compiler or no Python headers to build the Tape",
 )
 
 
