@@ -272,7 +272,7 @@ def test_repeated_replays_a_signature_seen_before():
 
     rep = Repeated(size=2)
     x = mx.arange(3)
-    call = lambda sig, a: rep.call(sig, make, [a])[0]  # noqa: E731
+    call = lambda sig, a: rep.call(sig, [a], make)[0]  # noqa: E731
     assert mx.array_equal(call("a", x), x * 2) and len(made) == 1  # plain
     assert mx.array_equal(call("a", x + 1), (x + 1) * 2) and len(made) == 2  # recorded
     assert mx.array_equal(call("a", x + 5), (x + 5) * 2) and len(made) == 2  # replayed
@@ -288,7 +288,7 @@ def test_repeated_replays_a_signature_seen_before():
     assert "b" not in rep._seen and rep._seen["a"] is not None
     plain = Repeated(size=0)
     for i in range(3):
-        assert mx.array_equal(plain.call("a", make, [x + i])[0], (x + i) * 2)
+        assert mx.array_equal(plain.call("a", [x + i], make)[0], (x + i) * 2)
     assert len(made) == 9 and not plain._seen  # "a" at x recorded again: 6 before
 
 

@@ -166,30 +166,28 @@ class Repeated:
         self.size = size
         self._seen = OrderedDict()  # signature -> replay, or None once seen
 
-    def call(self, signature, make, arrays):
-        """``make()(*arrays)``, replayed if ``signature`` was seen twice
+    def call(self, signature, arrays, make, *args):
+        """``make(*args)(*arrays)``, replayed if ``signature`` was seen twice
         (``make`` runs only when a call is not replayed)."""
-        fn = self._seen.get(signature, _NEW)
-        if fn is not None and fn is not _NEW:
-            self._seen.move_to_end(signature)
+        seen = self._seen
+        fn = seen.get(signature)
+        if fn is not None:
+            seen.move_to_end(signature)
             outs = fn(*arrays)
             if outs is not None:
-                return outs
-            fn = None  # an input shape the signature leaves out changed
-        if fn is None:
-            launch = make()
-            outs = launch(*arrays)
-            self._seen[signature] = native.replayer(launch, arrays, outs)
-            self._seen.move_to_end(signature)
-            return outs
-        if self.size > 0:
-            self._seen[signature] = None
-            if len(self._seen) > self.size:
-                self._seen.popitem(last=False)
-        return make()(*arrays)
+                return outs  # else an input shape the signature leaves out changed
+        launch = make(*args)
+        outs = launch(*arrays)
+        if signature in seen:  # its second call, or a refused replay: record
+            seen[signature] = native.replayer(launch, arrays, outs)
+            seen.move_to_end(signature)
+        elif self.size > 0:
+            seen[signature] = None
+            if len(seen) > self.size:
+                seen.popitem(last=False)
+        return outs
 
 
-_NEW = object()
 _REPEATED = Repeated()
 
 
@@ -224,8 +222,7 @@ def decode_attention(
         # dtypes itself): the plan is made only when a call is not replayed.
         signature = (q.shape, k.shape, q.dtype, mask_key, sinks is None, num_splits,
                      KEYS_PER_LANE_GROUP, LANES_PER_KEY, MAX_ROWS, TARGET_BLOCKS, MMA)
-        return tuple(_REPEATED.call(signature, lambda: _plan(q, k, mask, sinks, num_splits),
-                                    arrays))
+        return _REPEATED.call(signature, arrays, _plan, q, k, mask, sinks, num_splits)
     return _plan(q, k, mask, sinks, num_splits)(*arrays, poison=poison)
 
 
