@@ -1,7 +1,7 @@
 #!/bin/sh
 # One device call: install MLX CUDA (if given), then check and time the kernels.
 #
-#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|ab|tune|tpk8|tpk16|variants|mma|hostprobe|gfold|fprobe|gfold_ab|pytest|tests|sweep|qfold|qtile|model|realmodel|ptx]...
+#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|ab|tune|tpk8|tpk16|variants|mma|hostprobe|graphs|gfold|fprobe|gfold_ab|pytest|tests|sweep|qfold|qtile|model|realmodel|ptx]...
 #
 # "install" expects .gpu/part1 already copied to /root/mlxw (previous call) and
 # .gpu/part2 and .gpu/lib (mlx_lm) carried now; "ensure" reuses a warm install.
@@ -107,6 +107,15 @@ for step in "$@"; do
       tar -czf "$OUT/ptx.tgz" -C /tmp/mlx . && ls -la "$OUT/ptx.tgz" ;;
     quick) python3 scripts/gpu_check.py --quick --fused-steps 120 2>&1 | tee "$OUT/check_quick.log" || status=1 ;;
     full) timeout 420 python3 scripts/gpu_check.py --fused-steps 200 2>&1 | tee "$OUT/check.log" || status=1 ;;
+    graphs)  # lead of session 20: does MLX's CUDA graph cache (100 graphs, cleared whole
+             # when full) re-instantiate graphs for H2O's decode tokens? H2O vs Rotating
+             # with MLX's defaults, a 10x cache, and CUDA graphs off
+      for env in MLX_CUDA_GRAPH_CACHE_SIZE=100 MLX_CUDA_GRAPH_CACHE_SIZE=1000 MLX_USE_CUDA_GRAPHS=0; do
+        echo "== $env"
+        env "$env" timeout 170 python3 scripts/gpu_split.py --pin 5 --rounds 6 --steps 32 \
+          --context ${CONTEXT:-4096} --budget ${BUDGET:-256} --strategies rotating h2o 2>&1 \
+          | tee -a "$OUT/graphs.log" | grep -v "^round\|^{" || status=1
+      done ;;
     hostprobe)  # what a call's graph building costs, piece by piece (session 20)
       python3 scripts/gpu_host_probe.py 2>&1 | tee "$OUT/host_probe.log" || status=1 ;;
     bench) python3 scripts/bench_kernels.py --step 2>&1 | tee "$OUT/bench.log" || status=1 ;;

@@ -212,7 +212,19 @@ def kernel_time(model, cache, y, steps):
         mx.synchronize()
     names, launches = cuda_kernel_times(prof, 60)
     total, count = sum(names.values()), sum(launches.values())
-    return y, total / steps / 1e3, count / steps, names, launches
+    graphs = graph_api_counts(prof)
+    return y, total / steps / 1e3, count / steps, names, launches, graphs
+
+
+def graph_api_counts(prof) -> collections.Counter:
+    """CUDA graph API calls in a trace by name (cudaGraphInstantiate,
+    cudaGraphExecUpdate, cudaGraphLaunch ...): MLX's CUDA backend replays a
+    cached graph per ~20 kernels when the graph's dependency topology repeats
+    and instantiates a new one otherwise (mlx/backend/cuda/device.cpp; its
+    cache of 100 is cleared whole when full). Empty where the profiler does
+    not record these calls."""
+    return collections.Counter(e.name for e in prof.events()
+                               if e.name.startswith(("cudaGraph", "cuGraph")))
 
 
 def op_probe(layers=36, n=256, reps=20):
@@ -409,6 +421,7 @@ def main():
     rows = {k: [] for k in made}
     top = {k: collections.Counter() for k in made}
     launched = {k: collections.Counter() for k in made}
+    graph_calls = {k: collections.Counter() for k in made}
     order = list(state)
     for r in range(args.rounds):
         for name in order[r % len(order):] + order[:r % len(order)]:
@@ -422,10 +435,11 @@ def main():
                        peak_gb=mx.get_peak_memory() / 2**30)
             mx.reset_peak_memory()
             if not args.no_trace:
-                y, row["kernel"], row["kernels"], names, n = kernel_time(model, cache, y,
-                                                                        args.steps)
+                y, row["kernel"], row["kernels"], names, n, graphs = kernel_time(
+                    model, cache, y, args.steps)
                 top[name].update(names)
                 launched[name].update(n)
+                graph_calls[name].update(graphs)
             state[name][1] = y
             rows[name].append(row)
             print(f"round={r} {name:>13}: " + " ".join(f"{k} {v:6.2f}" for k, v in row.items()),
@@ -453,6 +467,8 @@ def main():
             per = args.steps * args.rounds
             head = ", ".join(f"{k[:40]} {n / per:.1f}" for k, n in launched[name].most_common(12))
             print(f"  launches per token {name}: {head}")
+            head = ", ".join(f"{k} {n / per:.2f}" for k, n in sorted(graph_calls[name].items()))
+            print(f"  CUDA graph calls per token {name}: {head or 'none recorded'}")
     print(json.dumps({"context": args.context, "budget": args.budget, "rows": rows}))
 
 
