@@ -225,8 +225,12 @@ def _make_pass2_kernel(sinks: bool, fused: bool):
     backend = device_backend()
     if backend is None:
         return None
-    return _kernel(backend, f"h2o_attn2_{int(sinks)}{int(fused)}", pass2_names(sinks, fused),
+    return _kernel(backend, _pass2_name(sinks, fused), pass2_names(sinks, fused),
                    *pass2_source(backend, sinks, fused))
+
+
+def _pass2_name(sinks: bool, fused: bool) -> str:
+    return f"h2o_attn2_{int(sinks)}{int(fused)}"
 
 
 @lru_cache(maxsize=None)
@@ -253,7 +257,7 @@ def _make_pass1_precompiled(mask: str, sinks: bool, split: bool, fused: bool):
 @lru_cache(maxsize=None)
 def _make_pass2_precompiled(sinks: bool, fused: bool):
     """``_make_pass2_kernel``'s kernel as ``_precompiled``, as pass 1's."""
-    return _precompiled(gpu_backend(), f"h2o_attn2_{int(sinks)}{int(fused)}",
+    return _precompiled(gpu_backend(), _pass2_name(sinks, fused),
                         pass2_names(sinks, fused), *pass2_source("cuda", sinks, fused),
                         _make_pass2_kernel(sinks, fused))
 

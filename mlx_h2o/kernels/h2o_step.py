@@ -104,7 +104,7 @@ class StepPlan:
         self.cap = cap
         self._splits = {}
         # A full cache (N == cap) calls with the same shapes every step: a
-        # compiled launch replays its graph instead of rebuilding the kernel
+        # recorded launch replays its graph instead of rebuilding the kernel
         # call (~35 us of host time per call on the H100, docs/GPU.md). Its
         # inputs are whole buffers, row-contiguous: on CUDA it runs kernels
         # built once per machine, not MLX's builds of every process (~1.5-2.5 s
