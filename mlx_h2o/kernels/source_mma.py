@@ -104,24 +104,34 @@ $KV_VEC
   // they chain at most VE / 4 MMAs (registers: ~2 * VE fewer).
   float z[4][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}, {0.0f, 0.0f}, {0.0f, 0.0f}};
 
+  // K rows FIRST + 8 tau + q4 into kr (zeros past n1).
+#define H2O_K_ROWS(FIRST)                                                           \
+  H2O_UNROLL                                                                        \
+  for (int tau = 0; tau < 2; ++tau) {                                               \
+    const int key_ = (FIRST) + 8 * tau + q4;                                        \
+    H2O_UNROLL                                                                      \
+    for (int j = 0; j < KC; ++j) {                                                  \
+      if (key_ < n1) {                                                              \
+        h2o_fetch<8>(k + kbase + key_ * ks + (32 * j + 8 * t4) * k_strides[3],      \
+                     k_strides[3], kvec, kr[tau][j]);                               \
+      } else {                                                                      \
+        h2o_zero<8>(kr[tau][j]);                                                    \
+      }                                                                             \
+    }                                                                               \
+  }
+  // V rows base + 8 (c >> 1) + 2 t4 + (c & 1) are read once S is done (K's
+  // registers free: ~200 registers a thread at D=128 with both in flight, 2
+  // blocks an SM). Below D=128 the next iteration's K rows go out with them,
+  // so they arrive while this one's softmax and P V run (PF: registers allow).
+  constexpr bool PF = D < 128;
+  H2ORaw<T, 8> kr[2][KC];
+  if (PF) {
+    H2O_K_ROWS(n0 + warp * 16)
+  }
   for (int base = n0 + warp * 16; base < n1; base += STEP) {
-    // K rows base + 8 tau + q4; V rows base + 8 (c >> 1) + 2 t4 + (c & 1),
-    // read once S is done (K's registers free: ~200 registers a thread at
-    // D=128 with both in flight, 2 blocks an SM).
-    H2ORaw<T, 8> kr[2][KC];
     H2ORaw<T, VW> vr[4][NV];
-    H2O_UNROLL
-    for (int tau = 0; tau < 2; ++tau) {
-      const int key = base + 8 * tau + q4;
-      H2O_UNROLL
-      for (int j = 0; j < KC; ++j) {
-        if (key < n1) {
-          h2o_fetch<8>(k + kbase + key * ks + (32 * j + 8 * t4) * k_strides[3],
-                       k_strides[3], kvec, kr[tau][j]);
-        } else {
-          h2o_zero<8>(kr[tau][j]);
-        }
-      }
+    if (!PF) {
+      H2O_K_ROWS(base)
     }
     // S: row q4, keys base + 8 tau + 2 t4 + {0, 1} in s[tau][0 .. 1].
     float s[2][2];
@@ -150,6 +160,9 @@ $KV_VEC
           h2o_zero<VW>(vr[c][f]);
         }
       }
+    }
+    if (PF) {
+      H2O_K_ROWS(base + STEP)
     }
     float p[4];
     float mx = -H2O_INF;
@@ -188,6 +201,7 @@ $MASK_APPLY
               static_cast<const T*>(nullptr));
     }
   }
+#undef H2O_K_ROWS
 
   // The row's sum over its quad; then the warps merge as source.PASS1's do.
   l_run += H2O_SHFL_XOR(l_run, 1);
