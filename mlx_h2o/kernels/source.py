@@ -497,6 +497,22 @@ $FUSED_ROWS
       const int hq = hk * G + gr / L;
       const int l = gr % L;
       const i64 base = (i64)unit * S * R + r;  // + s * R
+      // Warp w's outputs of splits 32 I + w + NG jj (lane: elements lane + 32 e).
+#define H2O_SPLIT_O(I)                                                          \
+      H2O_UNROLL                                                                \
+      for (int jj = 0; jj < 32 / NG; ++jj) {                                    \
+        const int s = 32 * (I) + warp + NG * jj;                                \
+        const i64 prow = (base + s * R) * D;                                    \
+        H2O_UNROLL                                                              \
+        for (int e = 0; e < DL; ++e) {                                          \
+          const int d = lane + 32 * e;                                          \
+          ov[jj][e] = s < S && d < D ? part_o[prow + d] : 0.0f;                 \
+        }                                                                       \
+      }
+      // The first 32 splits' outputs go out with the (m, l) loads below: one
+      // memory round trip less a row (S <= 32 in most launches).
+      float ov[32 / NG][DL];
+      H2O_SPLIT_O(0)
       // Lane j reads the (m, l) of splits j + 32 i once (S <= 32 * SPL =
       // decode.MAX_SPLITS) and keeps their weights for every warp's sums.
       constexpr int SPL = 8;
@@ -529,16 +545,8 @@ $SINK_SUM
       H2O_UNROLL
       for (int i = 0; i < SPL; ++i) {
         if (32 * i < S) {
-          float ov[32 / NG][DL];
-          H2O_UNROLL
-          for (int jj = 0; jj < 32 / NG; ++jj) {
-            const int s = 32 * i + warp + NG * jj;
-            const i64 prow = (base + s * R) * D;
-            H2O_UNROLL
-            for (int e = 0; e < DL; ++e) {
-              const int d = lane + 32 * e;
-              ov[jj][e] = s < S && d < D ? part_o[prow + d] : 0.0f;
-            }
+          if (i > 0) {
+            H2O_SPLIT_O(i)
           }
           H2O_UNROLL
           for (int jj = 0; jj < 32 / NG; ++jj) {
@@ -548,6 +556,7 @@ $SINK_SUM
           }
         }
       }
+#undef H2O_SPLIT_O
       H2O_BARRIER();  // the previous row's reads of red_o are done
       H2O_UNROLL
       for (int i = 0; i < DL; ++i) {
