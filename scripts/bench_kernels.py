@@ -15,6 +15,7 @@ GPU); a final JSON line.
 
 import argparse
 import collections
+import dataclasses
 import json
 import math
 import os
@@ -103,13 +104,15 @@ def kv_sets(N, D, dtype):
 
 
 def knobs(text):
-    """'MAX_ROWS=2,TARGET_BLOCKS=1024' -> {name: int} of decode's launch knobs."""
+    """'MAX_ROWS=2,TARGET_BLOCKS=1024' -> {name: int}, names of
+    decode.LaunchSettings in capitals (as the logs and plots name variants)."""
     out = {}
+    names = {f.name.upper() for f in dataclasses.fields(decode.LaunchSettings)}
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")
-        if not hasattr(decode, name) or not value.lstrip("-").isdigit():
-            raise argparse.ArgumentTypeError(f"{item!r}: want NAME=INT, NAME a decode.py knob "
-                                             "such as MAX_ROWS or TARGET_BLOCKS")
+        if name not in names or not value.lstrip("-").isdigit():
+            raise argparse.ArgumentTypeError(f"{item!r}: want NAME=INT, NAME one of "
+                                             f"{sorted(names)}")
         out[name] = int(value)
     return out
 
@@ -122,18 +125,12 @@ def attention_chains(N, D, dtype, splits=None, variants=({},)):
 
     def tuned(variant):
         def ours(n):
-            old = {name: getattr(decode, name) for name in variant}
-            for name, value in variant.items():
-                setattr(decode, name, value)
-            try:
+            with decode.launch_settings(**{k.lower(): v for k, v in variant.items()}):
                 q = q0
                 for i in range(n):
                     k, v = sets[i % len(sets)]
                     q = decode_attention(q, k, v, scale=scale, num_splits=splits)[0]
                 return q
-            finally:
-                for name, value in old.items():
-                    setattr(decode, name, value)
         return ours
 
     def mlx(n):
@@ -197,8 +194,9 @@ def parse_args():
     p.add_argument("--lanes-per-key", type=int, default=0, choices=[0, 8, 16, 32],
                    help="TPK (0: automatic)")
     p.add_argument("--variants", type=knobs, nargs="+", default=[{}],
-                   help="launch knobs of decode.py to time side by side, a row each, "
-                        "e.g. '' 'MAX_ROWS=2' 'MAX_ROWS=1,TARGET_BLOCKS=1024' ('': defaults)")
+                   help="decode.LaunchSettings to time side by side, a row each, named "
+                        "in capitals, e.g. '' 'MAX_ROWS=2' 'MAX_ROWS=1,TARGET_BLOCKS=1024' "
+                        "('': defaults)")
     p.add_argument("--trace", action="store_true",
                    help="also list each kernel's GPU us a call (CUPTI, needs torch)")
     p.add_argument("--plain", action="store_true",
@@ -264,8 +262,12 @@ def step_rows(args, dtype):
 
 def main():
     args = parse_args()
-    decode.KEYS_PER_LANE_GROUP = args.keys_per_group
-    decode.LANES_PER_KEY = args.lanes_per_key
+    with decode.launch_settings(keys_per_lane_group=args.keys_per_group,
+                                lanes_per_key=args.lanes_per_key):
+        return run(args)
+
+
+def run(args):
     if args.plain:
         decode._REPEATED = decode.Repeated(size=0)
     if gpu_backend() is None:

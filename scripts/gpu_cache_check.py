@@ -56,8 +56,7 @@ def check_correctness(dtype, max_size=64, steps=150):
     # The fused step reads 32 lanes a key row; decode_attention (the op path's
     # attention) may read with fewer (decode.lanes_per_key), which rounds
     # differently. Pinned to 32, the two must agree bit for bit.
-    decode.LANES_PER_KEY = 32
-    try:
+    with decode.launch_settings(lanes_per_key=32):
         for path in ("group", "fused", "ops"):
             cache = make_h2o_cache(model, cfg)
             for c in cache:
@@ -69,8 +68,6 @@ def check_correctness(dtype, max_size=64, steps=150):
                      all(c._group is not None and c._group._stacked is not None for c in cache)
                      if path == "group" else all(c._plan is None for c in cache))
             runs[path] = (out, cache, taken)
-    finally:
-        decode.LANES_PER_KEY = 0
     b, cb, _ = runs["ops"]
     kept_ref = [np.sort(np.array(c.positions[..., : c.size()]), -1) for c in cb]
     ok = True

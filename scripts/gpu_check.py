@@ -335,7 +335,7 @@ def warm_all(quick: bool, jobs: int, attention: bool = True, folds: bool = True)
     cmd = [sys.executable, __file__, "--warm-jobs", str(jobs)] + (["--quick"] if quick else [])
     cmd += [] if attention else ["--skip-attention"]
     cmd += [] if folds else ["--attention-only"]
-    cmd += ["--lanes-per-key", str(decode.LANES_PER_KEY)]
+    cmd += ["--lanes-per-key", str(decode.settings().lanes_per_key)]
     procs = [subprocess.Popen(cmd + ["--warm-shard", str(i)]) for i in range(jobs)]
     codes = [p.wait() for p in procs]
     print(f"compiled kernels in {jobs} processes: {time.time() - t0:.0f} s, exit codes {set(codes)}")
@@ -356,7 +356,11 @@ def main():
     p.add_argument("--warm-shard", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--warm-jobs", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
-    decode.LANES_PER_KEY = args.lanes_per_key
+    with decode.launch_settings(lanes_per_key=args.lanes_per_key):
+        return run(args)
+
+
+def run(args):
     if args.warm_shard is not None:
         warm(args.quick, args.warm_shard, args.warm_jobs, not args.skip_attention,
              not args.attention_only)

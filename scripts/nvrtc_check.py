@@ -43,7 +43,7 @@ from typing import Callable, Dict, List
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mlx_h2o.kernels import build, cubin, decode, kv_write, quantized_gpu, queued  # noqa: E402
-from mlx_h2o.kernels.decode import KEYS_PER_LANE_GROUP, layout  # noqa: E402
+from mlx_h2o.kernels.decode import layout  # noqa: E402
 
 _NV = next(iter(glob.glob("/tmp/nv/lib/python3*/site-packages/nvidia/cu13")),
            "/tmp/nv/cu13")
@@ -138,7 +138,9 @@ def constants(kind: str, kw: dict, dtype: str, D: int, G: int, HK: int, L: int):
         return t + ([("BITS", 4), ("GS", 64)] if q else [])
     fused = kw.get("fused", kind not in ("pass1", "pass2", "pass1mma"))
     L = 1 if fused else L  # the fused step has one query
-    lay = layout(D, 4 if dtype == "float32" else 2, G, L, KEYS_PER_LANE_GROUP, decode.LANES_PER_KEY)
+    cfg = decode.settings()
+    lay = layout(D, 4 if dtype == "float32" else 2, G, L, cfg.keys_per_lane_group,
+                 cfg.lanes_per_key)
     t = [(k, dtype if k == "T" else v) for k, v in lay.template(None, D, L, G, HK)]
     if kind != "pass2":
         t.append(("MH", 1 if kw.get("mask") in ("bool", "add") else 0))

@@ -166,18 +166,16 @@ GPU_CASES = [
 @needs_gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.label())
 @pytest.mark.parametrize("tpk", [0, 32, 16, 8])
-def test_kernel_matches_float64(monkeypatch, case, tpk):
-    from mlx_h2o.kernels import decode
-    from mlx_h2o.kernels.decode import decode_attention
-
-    monkeypatch.setattr(decode, "LANES_PER_KEY", tpk)  # 0: lanes_per_key(D, N)
-    monkeypatch.setattr(decode, "MMA", False)  # the shared-body kernel (MMA: below)
+def test_kernel_matches_float64(case, tpk):
+    from mlx_h2o.kernels.decode import decode_attention, launch_settings
 
     def fn(q, k, v, scale, mask, sinks):
         return decode_attention(q, k, v, scale=scale, mask=mask, sinks=sinks,
                                 num_splits=case.splits, poison=float("nan"))
 
-    ok, errs = check_case(case, 1234, fn)
+    # tpk 0: lanes_per_key(D, N); mma 0: the shared-body kernel (tensor cores: below)
+    with launch_settings(lanes_per_key=tpk, mma=0):
+        ok, errs = check_case(case, 1234, fn)
     assert ok, errs
 
 
@@ -193,7 +191,7 @@ MMA_CASES = [
 
 @needs_gpu
 @pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: c.label())
-def test_mma_pass1_matches_float64(monkeypatch, case):
+def test_mma_pass1_matches_float64(case):
     """The tensor-core pass 1 (CUDA, float16 / bfloat16 split launches)
     against float64: out, logits and lse, outputs poisoned."""
     from mlx_h2o.kernels import decode
@@ -201,16 +199,16 @@ def test_mma_pass1_matches_float64(monkeypatch, case):
 
     if build.gpu_backend() != "cuda":
         pytest.skip("the tensor-core pass 1 is CUDA only")
-    monkeypatch.setattr(decode, "MMA", 2)  # every head dim it takes, not only where faster
-    q, k, _, mask, sinks = make_inputs(case, 7)
-    plan = decode._plan(q, k, mask, sinks, case.splits)
-    assert plan.keywords["mma"] and plan.keywords["S"] > 1  # the case takes it
 
     def fn(q, k, v, scale, mask, sinks):
         return decode_attention(q, k, v, scale=scale, mask=mask, sinks=sinks,
                                 num_splits=case.splits, poison=float("nan"))
 
-    ok, errs = check_case(case, 2024, fn)
+    with decode.launch_settings(mma=2):  # every head dim it takes, not only where faster
+        q, k, _, mask, sinks = make_inputs(case, 7)
+        plan = decode._plan(q, k, mask, sinks, case.splits)
+        assert plan.keywords["mma"] and plan.keywords["S"] > 1  # the case takes it
+        ok, errs = check_case(case, 2024, fn)
     assert ok, errs
 
 
@@ -219,23 +217,48 @@ def test_mma_supported(monkeypatch):
     from mlx_h2o.kernels.decode import mma_supported
 
     monkeypatch.setattr(decode, "device_backend", lambda: "cuda")
-    monkeypatch.setattr(decode, "MMA", 1)  # the default: where it measured faster
+    assert decode.settings().mma == 1  # the default: where it measured faster
     assert mma_supported(mx.float16, 64, 1, 4, "none") and mma_supported(mx.float16, 96, 1, 4, "none")
     assert not mma_supported(mx.float16, 128, 1, 4, "none")
-    monkeypatch.setattr(decode, "MMA", 2)
-    assert mma_supported(mx.float16, 128, 1, 4, "none")
-    assert mma_supported(mx.bfloat16, 64, 8, 1, "causal") and mma_supported(mx.float16, 96, 1, 8, "none")
-    assert not mma_supported(mx.float32, 128, 1, 4, "none")  # no float32 tensor-core path
-    assert not any(mma_supported(mx.float16, d, 1, 4, "none") for d in (80, 256))
-    assert not mma_supported(mx.float16, 128, 1, 4, "bool")  # array masks: shared body
-    assert not mma_supported(mx.float16, 128, 3, 4, "none")  # 12 rows: row tiles
-    monkeypatch.setattr(decode, "MAX_ROWS", 16)
-    assert not mma_supported(mx.float16, 128, 3, 4, "none")  # one tile of 12 rows: > 8
-    monkeypatch.setattr(decode, "MMA", 0)
-    assert not mma_supported(mx.float16, 64, 1, 4, "none")
-    monkeypatch.setattr(decode, "MMA", 2)
-    monkeypatch.setattr(decode, "device_backend", lambda: "metal")
-    assert not mma_supported(mx.float16, 64, 1, 4, "none")  # CUDA only
+    with decode.launch_settings(mma=2):
+        assert mma_supported(mx.float16, 128, 1, 4, "none")
+        assert mma_supported(mx.bfloat16, 64, 8, 1, "causal")
+        assert mma_supported(mx.float16, 96, 1, 8, "none")
+        assert not mma_supported(mx.float32, 128, 1, 4, "none")  # no float32 tensor-core path
+        assert not any(mma_supported(mx.float16, d, 1, 4, "none") for d in (80, 256))
+        assert not mma_supported(mx.float16, 128, 1, 4, "bool")  # array masks: shared body
+        assert not mma_supported(mx.float16, 128, 3, 4, "none")  # 12 rows: row tiles
+        with decode.launch_settings(max_rows=16):
+            assert not mma_supported(mx.float16, 128, 3, 4, "none")  # one tile of 12 rows: > 8
+        monkeypatch.setattr(decode, "device_backend", lambda: "metal")
+        assert not mma_supported(mx.float16, 64, 1, 4, "none")  # CUDA only
+    monkeypatch.setattr(decode, "device_backend", lambda: "cuda")
+    with decode.launch_settings(mma=0):
+        assert not mma_supported(mx.float16, 64, 1, 4, "none")
+    assert mma_supported(mx.float16, 64, 1, 4, "none")  # the settings came back
+
+
+def test_launch_settings_are_checked_and_restored():
+    from mlx_h2o.kernels import decode
+
+    before = decode.settings()
+    with pytest.raises(TypeError, match="unknown launch settings.*'lanes'"):
+        with decode.launch_settings(lanes=16):
+            pass
+    for bad in (dict(lanes_per_key=12), dict(mma=3), dict(max_rows=0), dict(target_blocks=0),
+                dict(keys_per_lane_group=-1)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            with decode.launch_settings(**bad):
+                pass
+    with pytest.raises(TypeError, match="must be an int"):
+        with decode.launch_settings(mma=True):
+            pass
+    with pytest.raises(RuntimeError):
+        with decode.launch_settings(target_blocks=1024) as s:
+            assert decode.settings() is s and s.target_blocks == 1024
+            assert decode.choose_splits(1 << 20, 8, 32) == 128  # 1024 blocks / 8 units
+            raise RuntimeError("left early")
+    assert decode.settings() is before and decode.choose_splits(1 << 20, 8, 32) == 64
 
 
 def test_merge_keeps_every_split_weight():

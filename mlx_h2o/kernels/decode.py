@@ -1,9 +1,10 @@
 """Launch plans and the GPU decode attention (Lq <= 8) that exports scores."""
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, fields, replace
 from functools import lru_cache, partial
-from typing import Optional, Tuple, Union
+from typing import Iterator, Optional, Tuple, Union
 
 import mlx.core as mx
 
@@ -12,18 +13,64 @@ from .build import (_make_pass1_kernel, _make_pass1_mma_kernel, _make_pass2_kern
                     device_backend, gpu_backend)
 
 NT = 128  # threads per block (source.NT)
-KEYS_PER_LANE_GROUP = 0  # U, keys per warp iteration; 0: min(8, TPK / padded R)
-LANES_PER_KEY = 0  # TPK: 32, 16 or 8 (2 or 4 key rows a warp read); 0: lanes_per_key()
-MAX_ROWS = 8  # query rows per block: registers hold R * EPL floats twice
 MAX_SPLITS = 256  # more never measured faster (docs/GPU.md, "--tune")
-TARGET_BLOCKS = 512  # ~4 blocks per SM on a 132-SM H100
 MIN_SPLIT_KEYS = 128
-MMA = 1  # tensor-core pass 1 (source_mma.py): 0 off, 1 where faster (D 64 / 96), 2 also D=128
 MMA_TILE = 64  # keys per block iteration of the tensor-core pass 1
 SINGLE_PASS_MAX_N = 256  # below this one launch beats two (measured: docs/GPU.md)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 Mask = Union[None, str, mx.array]
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """The launch knobs of ``decode_attention`` (and the fused step's layout).
+    The defaults measured fastest on an H200 (docs/GPU.md); benchmarks and
+    tests change them for a block of calls with ``launch_settings``."""
+
+    keys_per_lane_group: int = 0  # U, keys per warp iteration; 0: min(8, TPK / padded R)
+    lanes_per_key: int = 0  # TPK: 32, 16 or 8 (2 or 4 key rows a warp read); 0: lanes_per_key()
+    max_rows: int = 8  # query rows per block: registers hold R * EPL floats twice
+    target_blocks: int = 512  # ~4 blocks per SM on a 132-SM H100
+    mma: int = 1  # tensor-core pass 1 (source_mma.py): 0 off, 1 where faster (D 64 / 96), 2 also D=128
+
+    def __post_init__(self):
+        for f in fields(self):
+            if type(getattr(self, f.name)) is not int:
+                raise TypeError(f"launch setting {f.name} must be an int, "
+                                f"got {getattr(self, f.name)!r}")
+        if self.lanes_per_key not in (0, 8, 16, 32):
+            raise ValueError(f"lanes_per_key={self.lanes_per_key}: use 32, 16, 8 or 0 (automatic)")
+        if self.mma not in (0, 1, 2):
+            raise ValueError(f"mma={self.mma}: use 0 (off), 1 (D 64 / 96) or 2 (also D=128)")
+        if self.keys_per_lane_group < 0 or self.max_rows < 1 or self.target_blocks < 1:
+            raise ValueError(f"{self}: keys_per_lane_group >= 0 (0: automatic), "
+                             "max_rows >= 1 and target_blocks >= 1")
+
+
+_SETTINGS = [LaunchSettings()]  # the one in force: swapped only by launch_settings
+
+
+def settings() -> LaunchSettings:
+    """The launch settings in force."""
+    return _SETTINGS[0]
+
+
+@contextmanager
+def launch_settings(**changes) -> Iterator[LaunchSettings]:
+    """Run a block of calls with some launch knobs changed, e.g.
+    ``with launch_settings(mma=0): ...``; the previous settings come back on
+    exit. Unknown names raise TypeError, bad values ValueError."""
+    names = {f.name for f in fields(LaunchSettings)}
+    unknown = sorted(set(changes) - names)
+    if unknown:
+        raise TypeError(f"unknown launch settings {unknown}: use {sorted(names)}")
+    old = _SETTINGS[0]
+    _SETTINGS[0] = replace(old, **changes)
+    try:
+        yield _SETTINGS[0]
+    finally:
+        _SETTINGS[0] = old
 
 
 @dataclass(frozen=True)
@@ -46,7 +93,7 @@ class Layout:
 
 @lru_cache(maxsize=None)
 def layout(D: int, itemsize: int, G: int, L: int, U: int = 0, TPK: int = 0,
-           max_rows: int = MAX_ROWS) -> Layout:
+           max_rows: int = LaunchSettings.max_rows) -> Layout:
     # TPK lanes read one key row: each lane a slice of EPL = 2, 4 or 8 elements.
     tpk = TPK or 32
     if not any(tpk * e >= D and D % e == 0 for e in (2, 4, 8)):
@@ -66,13 +113,14 @@ def layout(D: int, itemsize: int, G: int, L: int, U: int = 0, TPK: int = 0,
 def mma_supported(dtype, D: int, L: int, G: int, kind: str) -> bool:
     """Whether a split launch takes the tensor-core pass 1 (CUDA, float16 /
     bfloat16, no mask or causal, <= 8 query rows a KV head; sinks are pass
-    2's): with ``MMA`` 1 at D 64 / 96, where it measured faster than the
-    shared body on an H200 (D=128 slower, also at 128 registers; docs/GPU.md
-    sessions 19-20), with 2 also at D=128; 0 never."""
-    dims = {1: (64, 96), 2: (64, 96, 128)}.get(MMA, ())
+    2's): with the ``mma`` setting 1 at D 64 / 96, where it measured faster
+    than the shared body on an H200 (D=128 slower, also at 128 registers;
+    docs/GPU.md sessions 19-20), with 2 also at D=128; 0 never."""
+    cfg = settings()
+    dims = {1: (64, 96), 2: (64, 96, 128)}.get(cfg.mma, ())
     return (device_backend() == "cuda" and dtype in (mx.float16, mx.bfloat16)
             and D in dims and kind in ("none", "causal")
-            and G * L <= min(MAX_ROWS, 8))  # the MMA's 16 rows: 8 queries, 8 zero
+            and G * L <= min(cfg.max_rows, 8))  # the MMA's 16 rows: 8 queries, 8 zero
 
 
 def lanes_per_key(D: int, N: int) -> int:
@@ -98,7 +146,8 @@ def choose_splits(N: int, units: int, tile: int, D: int = 128) -> int:
     if N <= SINGLE_PASS_MAX_N:
         return 1
     by_len = -(-N // max(MIN_SPLIT_KEYS, tile))
-    by_fill = -(-(TARGET_BLOCKS if D <= 128 else TARGET_BLOCKS // 2) // units)
+    blocks = settings().target_blocks
+    by_fill = -(-(blocks if D <= 128 else blocks // 2) // units)
     return max(1, min(by_len, by_fill, MAX_SPLITS))
 
 
@@ -145,8 +194,12 @@ def supported(q, k, v, mask: Mask = None, sinks=None) -> bool:
 
 
 @lru_cache(maxsize=64)
+@lru_cache(maxsize=256)
 def params_f(scale: float, alpha: float = 0.95) -> mx.array:
-    # (1 - alpha) rounded once from double, as the policy's mx ops do.
+    """The kernels' float parameters, one array per (scale, alpha): a call
+    reuses it instead of building one (~0.4 us of host time; kernels only
+    read it). (1 - alpha) is rounded once from double, as the policy's mx
+    ops do."""
     return mx.array([scale, alpha, 1.0 - alpha], dtype=mx.float32)
 
 
@@ -221,7 +274,7 @@ def decode_attention(
         # What the plan depends on (a replay refuses other input shapes or
         # dtypes itself): the plan is made only when a call is not replayed.
         signature = (q.shape, k.shape, q.dtype, mask_key, sinks is None, num_splits,
-                     KEYS_PER_LANE_GROUP, LANES_PER_KEY, MAX_ROWS, TARGET_BLOCKS, MMA)
+                     _SETTINGS[0])
         return _REPEATED.call(signature, arrays, _plan, q, k, mask, sinks, num_splits)
     return _plan(q, k, mask, sinks, num_splits)(*arrays, poison=poison)
 
@@ -230,8 +283,9 @@ def _plan(q, k, mask, sinks, num_splits):
     """``_launch`` bound to the layout, mask kind and split count of a call."""
     B, Hq, L, D = q.shape
     Hk, N = k.shape[1], k.shape[2]
-    tpk = LANES_PER_KEY or lanes_per_key(D, N)
-    lay = layout(D, q.dtype.size, Hq // Hk, L, KEYS_PER_LANE_GROUP, tpk, MAX_ROWS)
+    cfg = settings()
+    tpk = cfg.lanes_per_key or lanes_per_key(D, N)
+    lay = layout(D, q.dtype.size, Hq // Hk, L, cfg.keys_per_lane_group, tpk, cfg.max_rows)
     kind, mh = mask_mode(mask, B, Hq, Hk, L, N)
     mma = mma_supported(q.dtype, D, L, Hq // Hk, kind)
     S = num_splits or choose_splits(N, B * Hk * lay.RT, MMA_TILE if mma else lay.tile, D)
@@ -260,7 +314,7 @@ def _launch(q, k, v, prm_f, *extra, lay, kind, mh, S, has_sinks, mma=False, pois
             output_dtypes=[q.dtype, f32, f32], init_value=poison,
         )
         return out, logits, lse
-    if mma:  # mma_supported: G * L <= MAX_ROWS, so one row tile (lay.R rows)
+    if mma:  # mma_supported: G * L <= max_rows, so one row tile (lay.R rows)
         k1 = _make_pass1_mma_kernel(kind)
     logits, part_o, part_ml = k1(
         inputs=inputs, template=tmpl, grid=(units * NT, S, 1), threadgroup=(NT, 1, 1),

@@ -85,7 +85,7 @@ class StepPlan:
                  sink_size, recent_budget, pinned, window_size, has_sinks):
         G = Hq // Hk
         # 32 lanes a key row: decode_attention's 16-lane rows were not run fused
-        lay = layout(D, dtype.size, G, 1, decode.KEYS_PER_LANE_GROUP)
+        lay = layout(D, dtype.size, G, 1, decode.settings().keys_per_lane_group)
         self.shape = (B, Hq, Hk, D, G)
         self.lay, self.units, self.kind, self.has_sinks = lay, B * Hk * lay.RT, kind, has_sinks
         mode_i = SCORE_MODES.index(mode)

@@ -56,10 +56,11 @@ def quantized_pieces() -> dict:
 
 
 def constants() -> dict:
+    cfg = decode.LaunchSettings()  # the defaults: Swift has its own launch code
     return {
-        "threadsPerBlock": decode.NT, "keysPerLaneGroup": decode.KEYS_PER_LANE_GROUP,
-        "maxRows": decode.MAX_ROWS, "maxSplits": decode.MAX_SPLITS,
-        "targetBlocks": decode.TARGET_BLOCKS, "minSplitKeys": decode.MIN_SPLIT_KEYS,
+        "threadsPerBlock": decode.NT, "keysPerLaneGroup": cfg.keys_per_lane_group,
+        "maxRows": cfg.max_rows, "maxSplits": decode.MAX_SPLITS,
+        "targetBlocks": cfg.target_blocks, "minSplitKeys": decode.MIN_SPLIT_KEYS,
         "singlePassMaxN": decode.SINGLE_PASS_MAX_N,
         "fusedMaxGroup": h2o_step.FUSED_MAX_GROUP,
         "quantizedThreadsPerBlock": qgpu.NT, "quantizedMaxL": qgpu.MAX_L,
@@ -134,7 +135,7 @@ def variants() -> list:
 def layouts() -> list:
     rows = []
     for D, itemsize, G, L in product((64, 80, 96, 128, 256), (2, 4), (1, 4, 6, 8), (1, 3, 8)):
-        lay = decode.layout(D, itemsize, G, L, decode.KEYS_PER_LANE_GROUP)
+        lay = decode.layout(D, itemsize, G, L, decode.LaunchSettings().keys_per_lane_group)
         rows.append(dict(D=D, itemsize=itemsize, G=G, L=L, R=lay.R, RT=lay.RT,
                          TPK=lay.TPK, EPL=lay.EPL, U=lay.U, tile=lay.tile))
     return rows
