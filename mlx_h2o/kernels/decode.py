@@ -194,12 +194,8 @@ def supported(q, k, v, mask: Mask = None, sinks=None) -> bool:
 
 
 @lru_cache(maxsize=64)
-@lru_cache(maxsize=256)
 def params_f(scale: float, alpha: float = 0.95) -> mx.array:
-    """The kernels' float parameters, one array per (scale, alpha): a call
-    reuses it instead of building one (~0.4 us of host time; kernels only
-    read it). (1 - alpha) is rounded once from double, as the policy's mx
-    ops do."""
+    # (1 - alpha) rounded once from double, as the policy's mx ops do.
     return mx.array([scale, alpha, 1.0 - alpha], dtype=mx.float32)
 
 
