@@ -242,6 +242,9 @@ def test_launch_settings_are_checked_and_restored():
     from mlx_h2o.kernels import decode
 
     before = decode.settings()
+    # Equal settings are one signature key (a repeated call's), others are not.
+    assert {decode.LaunchSettings(): 1}.get(decode.LaunchSettings(mma=1)) == 1
+    assert decode.LaunchSettings(mma=0) not in {decode.LaunchSettings(): 1}
     with pytest.raises(TypeError, match="unknown launch settings.*'lanes'"):
         with decode.launch_settings(lanes=16):
             pass

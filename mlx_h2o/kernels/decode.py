@@ -46,6 +46,11 @@ class LaunchSettings:
         if self.keys_per_lane_group < 0 or self.max_rows < 1 or self.target_blocks < 1:
             raise ValueError(f"{self}: keys_per_lane_group >= 0 (0: automatic), "
                              "max_rows >= 1 and target_blocks >= 1")
+        # Hashed once: every repeated call's signature holds the settings.
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 _SETTINGS = [LaunchSettings()]  # the one in force: swapped only by launch_settings
