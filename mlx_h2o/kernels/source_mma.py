@@ -7,9 +7,11 @@ reduce-scatter of partial dots and the broadcasts of p, ~40 a warp iteration
 and computes S = Q K^T and O += P V with ``mma.sync.m16n8k16`` (fp32
 accumulators): query rows are the MMA's M (rows 8-15 zero), keys its N (S)
 or K (P V). Only the row max crosses lanes (two shuffles a quad).
-decode.LaunchSettings.mma takes it at D 64 / 96 by default: on an H200 it was faster than
-the shared body there and slower at D=128, with 162 registers (session 19)
-and with 128 and a few spilled (session 20; docs/GPU.md).
+The ``mma`` launch setting (decode.LaunchSettings) takes it at D 64 / 96 by
+default: on an H200 it was faster than the shared body there and slower at
+D=128, with 162 registers (session 19) and with 128 and a few spilled
+(session 20; docs/GPU.md). Below D=128 a warp reads its next K tile while
+it finishes the current one (session 21: 3-6% less time).
 
 Layouts (lane = 4 q4 + t4):
 - D is permuted alike for Q and K: k-step 2j + h of the QK MMA takes
