@@ -28,26 +28,32 @@ class LaunchSettings:
     The defaults measured fastest on an H200 (docs/GPU.md); benchmarks and
     tests change them for a block of calls with ``launch_settings``."""
 
-    keys_per_lane_group: int = 0  # U, keys per warp iteration; 0: min(8, TPK / padded R)
-    lanes_per_key: int = 0  # TPK: 32, 16 or 8 (2 or 4 key rows a warp read); 0: lanes_per_key()
+    # U, keys per warp iteration; 0: min(8, TPK / padded R)
+    keys_per_lane_group: int = 0
+    # TPK: 32, 16 or 8 (2 or 4 key rows a warp read); 0: lanes_per_key()
+    lanes_per_key: int = 0
     max_rows: int = 8  # query rows per block: registers hold R * EPL floats twice
     target_blocks: int = 512  # ~4 blocks per SM on a 132-SM H100
-    mma: int = 1  # tensor-core pass 1 (source_mma.py): 0 off, 1 where faster (D 64 / 96), 2 also D=128
+    # tensor-core pass 1 (source_mma.py): 0 off, 1 where faster (D 64 / 96),
+    # 2 also D=128
+    mma: int = 1
 
     def __post_init__(self):
-        for f in fields(self):
-            if type(getattr(self, f.name)) is not int:
-                raise TypeError(f"launch setting {f.name} must be an int, "
-                                f"got {getattr(self, f.name)!r}")
+        values = tuple(getattr(self, f.name) for f in fields(self))
+        for f, value in zip(fields(self), values):
+            if type(value) is not int:
+                raise TypeError(f"launch setting {f.name} must be an int, got {value!r}")
         if self.lanes_per_key not in (0, 8, 16, 32):
-            raise ValueError(f"lanes_per_key={self.lanes_per_key}: use 32, 16, 8 or 0 (automatic)")
+            raise ValueError(f"lanes_per_key={self.lanes_per_key}: "
+                             "use 32, 16, 8 or 0 (automatic)")
         if self.mma not in (0, 1, 2):
-            raise ValueError(f"mma={self.mma}: use 0 (off), 1 (D 64 / 96) or 2 (also D=128)")
+            raise ValueError(f"mma={self.mma}: use 0 (off), 1 (D 64 / 96) "
+                             "or 2 (also D=128)")
         if self.keys_per_lane_group < 0 or self.max_rows < 1 or self.target_blocks < 1:
             raise ValueError(f"{self}: keys_per_lane_group >= 0 (0: automatic), "
                              "max_rows >= 1 and target_blocks >= 1")
         # Hashed once: every repeated call's signature holds the settings.
-        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
+        object.__setattr__(self, "_hash", hash(values))
 
     def __hash__(self) -> int:
         return self._hash
@@ -286,7 +292,8 @@ def _plan(q, k, mask, sinks, num_splits):
     Hk, N = k.shape[1], k.shape[2]
     cfg = settings()
     tpk = cfg.lanes_per_key or lanes_per_key(D, N)
-    lay = layout(D, q.dtype.size, Hq // Hk, L, cfg.keys_per_lane_group, tpk, cfg.max_rows)
+    lay = layout(D, q.dtype.size, Hq // Hk, L, cfg.keys_per_lane_group, tpk,
+                 cfg.max_rows)
     kind, mh = mask_mode(mask, B, Hq, Hk, L, N)
     mma = mma_supported(q.dtype, D, L, Hq // Hk, kind)
     S = num_splits or choose_splits(N, B * Hk * lay.RT, MMA_TILE if mma else lay.tile, D)
