@@ -148,12 +148,12 @@ def constants(kind: str, kw: dict, dtype: str, D: int, G: int, HK: int, L: int):
     return t + ([("NB", 1)] if kind not in ("pass1", "pass2", "pass1mma") else [])
 
 
-def build_kernels(D: int, G: int, HK: int, L: int) -> List[Kernel]:
-    """Every (label, header, body) of build.*_sources("cuda"), with its names
+def build_kernels(D: int, G: int, HK: int, L: int, backend: str = "cuda") -> List[Kernel]:
+    """Every (label, header, body) of build.*_sources(backend), with its names
     from build.KIND_names(*the label's values, in order)."""
     seen, out = set(), []
     for fname in sorted(n for n in dir(build) if n.endswith("_sources")):
-        for label, header, body in getattr(build, fname)("cuda"):
+        for label, header, body in getattr(build, fname)(backend):
             if label in seen:
                 continue
             seen.add(label)
@@ -175,7 +175,7 @@ def build_kernels(D: int, G: int, HK: int, L: int) -> List[Kernel]:
     return out
 
 
-def quantized_kernels(D: int, G: int) -> List[Kernel]:
+def quantized_kernels(D: int, G: int, backend: str = "cuda") -> List[Kernel]:
     """quantized_gpu's pass 1 for every flag set and its merge (4/8-bit, GS 64)."""
     scale = struct.unpack("<i", struct.pack("<f", 1 / math.sqrt(D)))[0]
     out = []
@@ -184,20 +184,20 @@ def quantized_kernels(D: int, G: int) -> List[Kernel]:
         for sinks in (False, True):
             for two in (False, True):
                 for split in (False, True):
-                    src = quantized_gpu.kernel_source("cuda", mask, sinks, two, split)
+                    src = quantized_gpu.kernel_source(backend, mask, sinks, two, split)
                     tmpl = [("D", D), ("GS", 64), ("G", G), ("B0", 4),
                             ("B1", 8 if two else 4), ("MH", mh), ("SCALE_BITS", scale)]
                     label = f"qattn mask={mask} sinks={sinks} two={two} split={split}"
                     out.append(Kernel(label, *src, lambda dt, t=tmpl: [("T", dt)] + t,
                                       {"mask": "bool"} if mask == "bool" else {}))
     for sinks in (False, True):
-        src = quantized_gpu.merge_source("cuda", sinks)
+        src = quantized_gpu.merge_source(backend, sinks)
         out.append(Kernel(f"qmerge sinks={sinks}", *src,
                           lambda dt: [("T", dt), ("D", D)]))
     return out
 
 
-def write_kernels(D: int) -> List[Kernel]:
+def write_kernels(D: int, backend: str = "cuda") -> List[Kernel]:
     """kv_write's kernels: dense, triples (4/8-bit, GS 64) with and without
     dense outputs, packed K/V with them (IDXW 1: the quantized index; D for
     dense)."""
@@ -205,7 +205,7 @@ def write_kernels(D: int) -> List[Kernel]:
     for quantized, dense_out, packed in ((False, True, False), (True, True, False),
                                          (True, False, False), (True, True, True)):
         inputs, outputs = kv_write.names(quantized, dense_out, packed)
-        src = kv_write.source("cuda", quantized, dense_out, packed)
+        src = kv_write.source(backend, quantized, dense_out, packed)
         types = {"idx": "int32_t"}
         types.update({n: "uint32_t" for n in inputs + outputs
                       if n.startswith(("kw", "vw", "kv"))})
@@ -219,11 +219,11 @@ def write_kernels(D: int) -> List[Kernel]:
     return out
 
 
-def queue_fold_kernels(D: int, G: int) -> List[Kernel]:
+def queue_fold_kernels(D: int, G: int, backend: str = "cuda") -> List[Kernel]:
     """queued.py's three kernels for every tile (the merge takes no template constants)."""
     types = {"vis": "int32_t", "part": "float", "lse": "float", "lse_in": "float"}
     return [Kernel(f"qfold kind={kind} tile={nt}x{kpt}",
-                   *queued.pass_source("cuda", kind, (nt, kpt)), *queued.pass_names(kind),
+                   *queued.pass_source(backend, kind, (nt, kpt)), *queued.pass_names(kind),
                    (lambda dt: []) if kind == "merge" else
                    (lambda dt: [("T", dt), ("D", D), ("G", G)]), types)
             for kind in queued.KINDS for nt, kpt in queued.TILES]

@@ -1,0 +1,218 @@
+"""Type-check every Metal kernel variant with clang on a machine without Metal.
+
+No Apple GPU or Metal compiler is here, so the Metal twins were never built
+(docs/GPU.md, "Metal: not run"). This script wraps each Metal variant as MLX
+0.32's ``mx.fast.metal_kernel`` does (mlx/backend/metal/custom_kernel.cpp,
+write_signature: template parameters, ``const device T*`` inputs (``constant``
+below 8 elements), their ``_shape`` / ``_strides`` / ``_ndim``, ``device``
+outputs, the thread-position attributes the body names; then one explicit
+instantiation with the launch code's template constants) and type-checks it
+as C++17 with clang after a small prelude of stand-ins for the Metal standard
+library. Metal's address spaces become clang address spaces, so a pointer
+passed between ``device``, ``constant`` and ``threadgroup`` memory is an
+error here as it is in Metal.
+
+What it catches: syntax, undeclared names, type and template errors, address
+space mismatches, in the shared body as the Metal prelude expands it. What it
+cannot: Metal-only rules the stand-ins do not model (for instance which
+builtins take which types), code generation, and anything at run time.
+
+    .venv/bin/python scripts/metal_check.py [--only SUBSTRING] [--dtypes float16,...]
+        [--shape D,G,HK,L] [--dump FILE] [--cxx clang++]
+
+Exit 1 if any variant fails, 2 if no clang++ is found.
+"""
+
+import argparse
+import bisect
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import List
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import nvrtc_check as nv  # noqa: E402  (the variant lists and their names)
+
+# Stand-ins for what the kernels use of the Metal standard library and of
+# MLX's Metal utils header (which metal_kernel puts first).
+PRELUDE = r"""
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#define __METAL_VERSION__ 310
+#define device __attribute__((address_space(1)))
+#define constant __attribute__((address_space(2)))
+#define threadgroup static __attribute__((address_space(3)))
+#define thread
+typedef unsigned int uint;
+typedef unsigned short ushort;
+typedef _Float16 half;
+typedef half float16_t;
+typedef __bf16 bfloat16_t;
+struct uint3 { uint x, y, z; };
+// A built-in vector type (any address space) that float4(a, b, c, d) builds.
+typedef float float4 __attribute__((ext_vector_type(4)));
+inline float4 h2o_float4(float a, float b, float c, float d) {
+  float4 v = {a, b, c, d};
+  return v;
+}
+#define float4(...) h2o_float4(__VA_ARGS__)
+template <typename T, typename U>
+T as_type(U u) {
+  static_assert(sizeof(T) == sizeof(U), "as_type between sizes");
+  T t;
+  std::memcpy(&t, &u, sizeof(T));
+  return t;
+}
+namespace metal {
+enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2 };
+inline mem_flags operator|(mem_flags a, mem_flags b) {
+  return mem_flags(int(a) | int(b));
+}
+void threadgroup_barrier(mem_flags);
+template <typename T> T simd_shuffle_xor(T x, ushort mask);
+template <typename T> T simd_shuffle(T x, ushort lane);
+template <typename T> T min(T a, T b);
+template <typename T> T max(T a, T b);
+float fabs(float x);
+float fmax(float a, float b);
+float fmin(float a, float b);
+float round(float x);
+float floor(float x);
+namespace precise {
+float exp(float x);
+float log(float x);
+float divide(float a, float b);
+}  // namespace precise
+}  // namespace metal
+using metal::threadgroup_barrier;
+"""
+
+METAL_TYPES = {"__half": "float16_t", "__nv_bfloat16": "bfloat16_t", "float": "float",
+               "int32_t": "int32_t", "uint32_t": "uint32_t", "bool": "bool"}
+# metal_kernel passes inputs of fewer than 8 elements as `constant` (the
+# kernels' scalar parameter arrays), the rest as `device`.
+CONSTANT_INPUTS = ("prm_f", "prm_i")
+# The attributes metal_kernel adds when the body names them (uint3 or uint).
+ATTRIBUTES = {"thread_position_in_grid": "uint3", "thread_position_in_threadgroup": "uint3",
+              "threadgroup_position_in_grid": "uint3", "threadgroups_per_grid": "uint3",
+              "threads_per_threadgroup": "uint3", "thread_index_in_simdgroup": "uint",
+              "simdgroup_index_in_threadgroup": "uint", "thread_index_in_threadgroup": "uint",
+              "threads_per_simdgroup": "uint", "simdgroups_per_threadgroup": "uint"}
+
+
+def kernels(D: int, G: int, HK: int, L: int) -> List[nv.Kernel]:
+    """Every Metal variant nvrtc_check.py knows for CUDA (the tensor-core pass
+    1 has no Metal twin), with its names and template constants."""
+    return (nv.build_kernels(D, G, HK, L, "metal") + nv.quantized_kernels(D, G, "metal")
+            + nv.write_kernels(D, "metal") + nv.queue_fold_kernels(D, G, "metal"))
+
+
+def template_value(value, dtype: str) -> str:
+    if isinstance(value, str):  # a dtype name: the template's T
+        return METAL_TYPES[nv.CUDA_TYPES[value]]
+    return str(int(value)) if not isinstance(value, bool) else str(value).lower()
+
+
+def wrap(kernel: nv.Kernel, dtype: str, func: str) -> str:
+    """One variant as metal_kernel writes it, in a namespace of its own."""
+    tmpl = kernel.template(dtype)
+    params = ", ".join(("typename " if isinstance(v, str) else
+                        "bool " if isinstance(v, bool) else "int ") + n for n, v in tmpl)
+    args = [f"  const {'constant' if n in CONSTANT_INPUTS else 'device'} "
+            f"{METAL_TYPES[nv.ctype(n, kernel, dtype)]}* {n}" for n in kernel.inputs]
+    for n in kernel.inputs:
+        for suffix, t in (("shape", "const constant int*"), ("strides", "const constant int64_t*"),
+                          ("ndim", "const constant int&")):
+            if f"{n}_{suffix}" in kernel.body:
+                args.append(f"  {t} {n}_{suffix}")
+    args += [f"  device {METAL_TYPES[nv.ctype(n, kernel, dtype)]}* {n}" for n in kernel.outputs]
+    args += [f"  {t} {a} [[{a}]]" for a, t in ATTRIBUTES.items() if a in kernel.body]
+    values = ", ".join(template_value(v, dtype) for _, v in tmpl)
+    return (f"namespace {func} {{\n{kernel.header}\n"
+            + (f"template <{params}>\n" if tmpl else "")
+            + f"[[kernel]] void {func}(\n" + ",\n".join(args) + ") {\n"
+            + kernel.body + "\n}\n"
+            + (f"template decltype({func}<{values}>) {func}<{values}>;\n" if tmpl else "")
+            + f"}}  // namespace {func}\n")
+
+
+def find_cxx(preferred: str = "") -> str:
+    for name in filter(None, (preferred, "clang++", "/opt/swift/usr/bin/clang++")):
+        path = shutil.which(name) or (name if os.path.exists(name) else None)
+        if path:
+            return path
+    return ""
+
+
+def check(cxx: str, programs: List[tuple]) -> List[tuple]:
+    """(tag, its error lines) of each program clang rejects: one file for all
+    of them, errors traced to a program by their line numbers."""
+    text = PRELUDE + "".join(src for _, src in programs)
+    with tempfile.NamedTemporaryFile("w", suffix=".cpp", delete=False) as f:
+        f.write(text)
+    try:
+        res = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", "-ferror-limit=0",
+                              "-Wno-unknown-attributes", "-Wno-macro-redefined", f.name],
+                             capture_output=True, text=True)
+    finally:
+        os.unlink(f.name)
+    if res.returncode == 0:
+        return []
+    starts, line = [], PRELUDE.count("\n") + 1
+    for _, src in programs:
+        starts.append(line)
+        line += src.count("\n")
+    errors = {}
+    for m in re.finditer(r"^.*?:(\d+):\d+: (?:fatal )?error: .*$", res.stderr, re.M):
+        k = bisect.bisect_right(starts, int(m[1])) - 1
+        tag = programs[k][0] if k >= 0 else "the prelude"
+        errors.setdefault(tag, []).append(m[0].replace(f.name, "<metal>"))
+    if not errors:  # clang failed without a located error: report its output
+        return [("all variants together", res.stderr.replace(f.name, "<metal>")[:4000])]
+    return [(tag, "\n".join(lines[:10])) for tag, lines in errors.items()]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", default="", help="check only labels containing this")
+    p.add_argument("--dtypes", default="float16,bfloat16,float32")
+    p.add_argument("--shape", default="128,4,8,1", help="D,G,HK,L (fused kernels: L=1)")
+    p.add_argument("--dump", help="write the combined program to this file")
+    p.add_argument("--cxx", default="", help="clang++ to use (default: on PATH)")
+    args = p.parse_args()
+    cxx = find_cxx(args.cxx)
+    if not cxx:
+        print("no clang++ found (pass --cxx)", file=sys.stderr)
+        return 2
+    D, G, HK, L = (int(x) for x in args.shape.split(","))
+    programs = []
+    for kernel in kernels(D, G, HK, L):
+        if args.only not in kernel.label:
+            continue
+        for dtype in args.dtypes.split(","):
+            func = f"h2o_metal_{len(programs)}"
+            programs.append((f"{kernel.label} T={dtype}", wrap(kernel, dtype, func)))
+    if not programs:
+        print(f"no variant label contains {args.only!r}", file=sys.stderr)
+        return 1
+    if args.dump:
+        with open(args.dump, "w") as f:
+            f.write(PRELUDE + "".join(src for _, src in programs))
+    t0 = time.time()
+    failed = check(cxx, programs)
+    for tag, err in failed:
+        print(f"FAIL  {tag}\n{err}")
+    print(f"{len(programs)} Metal variants (D,G,HK,L={args.shape}), {cxx}: "
+          f"{len(programs) - len(failed)} OK, {len(failed)} failed ({time.time() - t0:.0f}s)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

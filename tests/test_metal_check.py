@@ -1,0 +1,55 @@
+"""The Metal kernel text type-checked by clang (scripts/metal_check.py).
+
+No Metal compiler runs here: every Metal variant is wrapped as MLX's
+metal_kernel writes it and type-checked as C++ with Metal's address spaces
+modelled, for several head dims, GQA ratios and query counts. The checker
+itself must reject a wrong kernel (an address-space mix-up, a dependent type
+error), or a pass would mean nothing.
+"""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+
+import metal_check  # noqa: E402
+import nvrtc_check  # noqa: E402
+
+CXX = metal_check.find_cxx()
+needs_clang = pytest.mark.skipif(not CXX, reason="no clang++ to type-check Metal text")
+
+
+@needs_clang
+@pytest.mark.parametrize("shape", ["128,4,8,1", "64,8,1,2", "80,2,8,1", "256,1,8,8"])
+def test_every_metal_variant_type_checks(shape):
+    D, G, HK, L = (int(x) for x in shape.split(","))
+    programs = [(f"{k.label} T={dt}", metal_check.wrap(k, dt, f"h2o_metal_{i}_{dt}"))
+                for i, k in enumerate(metal_check.kernels(D, G, HK, L))
+                for dt in ("float16", "bfloat16", "float32")]
+    assert len(programs) > 200  # every family: passes, folds, quantized, writes, queue fold
+    assert metal_check.check(CXX, programs) == []
+
+
+def _kernel(body: str) -> nvrtc_check.Kernel:
+    from mlx_h2o.kernels import source
+
+    return nvrtc_check.Kernel("probe", source.METAL_HEADER, source.METAL_IDS + body,
+                              ["q", "prm_f"], ["out"], lambda dt: [("T", dt), ("D", 128)])
+
+
+@needs_clang
+def test_checker_rejects_wrong_kernels():
+    ok = _kernel("  out[tid] = q[tid] * static_cast<T>(prm_f[0]);")
+    # prm_f is passed in constant memory: a device pointer may not point at it.
+    space = _kernel("  const device float* p = prm_f;\n  out[tid] = static_cast<T>(p[0]);")
+    # Only wrong once T is known: the instantiation is checked too.
+    dependent = _kernel("  typename T::missing x;\n  out[tid] = q[tid];")
+    progs = [("ok", metal_check.wrap(ok, "float16", "h2o_metal_0")),
+             ("space", metal_check.wrap(space, "float16", "h2o_metal_1")),
+             ("dependent", metal_check.wrap(dependent, "bfloat16", "h2o_metal_2"))]
+    failed = dict(metal_check.check(CXX, progs))
+    assert set(failed) == {"space", "dependent"}
+    assert "'constant float const *'" in failed["space"]
+    assert "'__bf16' cannot be used prior to '::'" in failed["dependent"]
