@@ -181,9 +181,7 @@ def check(cxx: str, programs: List[tuple]) -> List[tuple]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--only", default="", help="check only labels containing this")
-    p.add_argument("--dtypes", default="float16,bfloat16,float32")
-    p.add_argument("--shape", default="128,4,8,1", help="D,G,HK,L (fused kernels: L=1)")
+    nv.add_variant_args(p, "check")
     p.add_argument("--dump", help="write the combined program to this file")
     p.add_argument("--cxx", default="", help="clang++ to use (default: on PATH)")
     args = p.parse_args()

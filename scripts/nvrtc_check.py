@@ -405,11 +405,16 @@ def programs(args) -> List[tuple]:
     return out
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--only", default="", help="compile only labels containing this")
+def add_variant_args(p: argparse.ArgumentParser, verb: str) -> None:
+    """Which variants to check: label filter, dtypes, shape (also metal_check.py's)."""
+    p.add_argument("--only", default="", help=f"{verb} only labels containing this")
     p.add_argument("--dtypes", default="float16,bfloat16,float32")
     p.add_argument("--shape", default="128,4,8,1", help="D,G,HK,L (fused kernels: L=1)")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_variant_args(p, "compile")
     p.add_argument("--arch", default="sm_90")
     p.add_argument("--nvrtc-lib", default=DEFAULT_NVRTC)
     p.add_argument("--libmlx", default=DEFAULT_LIBMLX,
