@@ -1,11 +1,13 @@
 """Plot GPU time per call by kernel from ``bench_kernels.py --trace`` logs.
 
-    python scripts/plot_kernel_trace.py LOG OUT.png [--title T]
+    python scripts/plot_kernel_trace.py [LABEL=]LOG... OUT.png [--title T]
 
 Reads each (D, N) row and the ``trace NAME: T us a call: KERNEL t, ...``
 lines after it (one per variant, then MLX's), and draws per (D, N) one
 stacked bar per traced variant: its first kernel (pass 1; cuDNN's flash
-kernel for MLX) and the rest (the merge; cuDNN's reduction).
+kernel for MLX) and the rest (the merge; cuDNN's reduction). Several logs
+(e.g. a base commit's and this one's) go side by side, their variants
+named ``LABEL: variant``.
 """
 
 import argparse
@@ -51,13 +53,26 @@ def traces(path: str) -> "OrderedDict":
     return out
 
 
+def merged(specs) -> "OrderedDict":
+    """traces() of each ``[LABEL=]PATH``, cells in first-seen order; with
+    more than one log each variant is named ``LABEL: variant``."""
+    out = OrderedDict()
+    for i, spec in enumerate(specs):
+        tag, _, path = spec.rpartition("=") if "=" in spec else (f"log {i + 1}", "", spec)
+        for cell, per in traces(path).items():
+            for name, kernels in per.items():
+                key = f"{tag}: {name}" if len(specs) > 1 else name
+                out.setdefault(cell, OrderedDict())[key] = kernels
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("log")
+    p.add_argument("logs", nargs="+", metavar="[LABEL=]LOG")
     p.add_argument("out")
     p.add_argument("--title", default="")
     args = p.parse_args()
-    data = traces(args.log)
+    data = merged(args.logs)
     names = list(OrderedDict.fromkeys(v for per in data.values() for v in per))
     width = 0.8 / len(names)
     fig, ax = plt.subplots(figsize=(max(7.0, 1.6 * len(data) + 1), 3.6))
@@ -71,7 +86,7 @@ def main() -> int:
     ax.set_xticks(range(len(data)))
     ax.set_xticklabels([f"D={d}\nN={n}" for d, n in data], fontsize=8)
     ax.set_ylabel("GPU us a call (CUPTI)")
-    ax.legend(fontsize=7, ncol=len(names))
+    ax.legend(fontsize=7, ncol=min(3, len(names)))
     fig.suptitle(args.title, fontsize=9)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)

@@ -47,3 +47,18 @@ def test_figure(tmp_path, monkeypatch):
     log.write_text(LOG)
     monkeypatch.setattr("sys.argv", ["plot", str(log), str(out)])
     assert plot.main() == 0 and out.stat().st_size > 1000
+
+
+def test_logs_side_by_side(tmp_path, monkeypatch):
+    before, after, out = tmp_path / "a.log", tmp_path / "b.log", tmp_path / "fig.png"
+    before.write_text(LOG)
+    after.write_text(LOG.replace("7.9, h2o_attn2_00 3.1", "7.5, h2o_attn2_00 2.7"))
+    data = plot.merged([f"before={before}", f"after={after}"])
+    assert data[(64, 4096)]["before: defaults"] == [7.9, 3.1]
+    assert data[(64, 4096)]["after: defaults"] == [7.5, 2.7]
+    assert data[(64, 4096)]["after: MLX (cuDNN)"] == [8.8, 2.7]
+    assert list(data[(128, 32768)]) == ["before: defaults", "before: MMA=2,MAX_ROWS=4",
+                                        "after: defaults", "after: MMA=2,MAX_ROWS=4"]
+    assert plot.merged([str(before)]) == plot.traces(str(before))  # one log: names as they are
+    monkeypatch.setattr("sys.argv", ["plot", f"before={before}", f"after={after}", str(out)])
+    assert plot.main() == 0 and out.stat().st_size > 1000
