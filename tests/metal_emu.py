@@ -1,0 +1,383 @@
+"""Run Metal kernel text on the CPU: a small SIMT emulator for tests.
+
+No Apple GPU is here, so the Metal twins never ran (docs/GPU.md, "Metal: not
+run"). ``EmulatedKernel`` stands in for ``mx.fast.metal_kernel``: it wraps
+the kernel's header and body as MLX's metal_kernel does (template
+parameters, inputs with ``_shape`` / ``_strides`` / ``_ndim``, outputs, the
+thread attributes the body names), compiles that as C++20 with clang into a
+shared library, and runs every threadgroup with one OS thread per Metal
+thread: ``threadgroup`` memory is shared by the group, ``threadgroup_barrier``
+waits for the group, and ``simd_shuffle(_xor)`` exchanges values among the
+32 threads of a SIMD group through a barrier. Threadgroups run one after
+another. A barrier that is not reached by every live thread of its group
+within 20 s fails the launch (divergent barriers or shuffles).
+
+So the Metal prelude and the shared body run as Metal would run them, up to
+what the emulator does not model: Metal's own arithmetic (``precise::exp``
+is ``std::exp``; half and bfloat16 are clang's ``_Float16`` and ``__bf16``),
+memory ordering and races beyond barrier points, and speed.
+
+Inputs that a kernel reads with their strides (``ensure_row_contiguous`` off
+and ``NAME_strides`` in the body) are handed over in the layout ``layout``
+names: row-contiguous, rows padded with NaN (the row strides must be used),
+or the last axis transposed (the element-by-element path).
+"""
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+
+from metal_check import ATTRIBUTES, find_cxx  # noqa: E402
+
+PRELUDE = r"""
+#include <atomic>
+#include <cfloat>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+#define __METAL_VERSION__ 310
+typedef unsigned int uint;
+typedef unsigned short ushort;
+typedef _Float16 half;
+typedef half float16_t;
+// bfloat16 as bits with float conversions (round to nearest even), as MLX's
+// Metal headers define it where Metal has no bfloat type.
+struct bfloat16_t {
+  uint16_t bits;
+  bfloat16_t() = default;
+  bfloat16_t(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    bits = (u & 0x7fffffffu) > 0x7f800000u ? uint16_t((u >> 16) | 0x40u)
+                                           : uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  operator float() const {
+    const uint32_t u = uint32_t(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+struct uint3 { uint x, y, z; };
+typedef float float4 __attribute__((ext_vector_type(4)));
+inline float4 h2o_float4(float a, float b, float c, float d) {
+  float4 v = {a, b, c, d};
+  return v;
+}
+#define float4(...) h2o_float4(__VA_ARGS__)
+template <typename T, typename U>
+T as_type(U u) {
+  static_assert(sizeof(T) == sizeof(U), "as_type between sizes");
+  T t;
+  std::memcpy(&t, &u, sizeof(T));
+  return t;
+}
+
+// 1: a barrier some live thread never reached; 2: a SIMD shuffle without
+// every lane of its group (a lane waiting while another left, or one left).
+static std::atomic<int> h2o_failed{0};
+static int h2o_timeout_ms = 20000;
+
+// A barrier that threads may leave (a returned thread no longer counts).
+// ``simd``: every lane must take part (a SIMD shuffle), else failure 2.
+struct H2OBarrier {
+  std::mutex m;
+  std::condition_variable cv;
+  int expected;
+  const int full;
+  const bool simd;
+  int arrived = 0;
+  long gen = 0;
+  H2OBarrier(int n, bool simd_) : expected(n), full(n), simd(simd_) {}
+  void wait() {
+    std::unique_lock<std::mutex> l(m);
+    if (h2o_failed) return;
+    if (simd && expected < full) {
+      h2o_failed = 2;
+      cv.notify_all();
+      return;
+    }
+    const long g = gen;
+    if (++arrived >= expected) {
+      arrived = 0;
+      ++gen;
+      cv.notify_all();
+      return;
+    }
+    const auto limit = std::chrono::milliseconds(h2o_timeout_ms);
+    if (!cv.wait_for(l, limit, [&] { return gen != g || h2o_failed; })) {
+      h2o_failed = 1;
+      cv.notify_all();
+    }
+  }
+  void drop() {
+    std::unique_lock<std::mutex> l(m);
+    --expected;
+    if (simd && arrived > 0) {
+      h2o_failed = 2;
+      cv.notify_all();
+    } else if (arrived > 0 && arrived >= expected) {
+      arrived = 0;
+      ++gen;
+      cv.notify_all();
+    }
+  }
+};
+
+struct H2OSimd {
+  H2OBarrier bar;
+  alignas(16) unsigned char slot[32][16];
+  explicit H2OSimd(int lanes) : bar(lanes, true) {}
+};
+
+struct H2OGroup {
+  H2OBarrier bar;
+  std::deque<H2OSimd> simd;  // not moved once built (barriers hold mutexes)
+  explicit H2OGroup(int n) : bar(n, false) {
+    for (int w = 0; w < (n + 31) / 32; ++w) simd.emplace_back(n - 32 * w < 32 ? n - 32 * w : 32);
+  }
+};
+
+static thread_local H2OGroup* h2o_group;
+static thread_local int h2o_lane;
+static thread_local int h2o_warp;
+
+namespace metal {
+enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2 };
+inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
+inline void threadgroup_barrier(mem_flags) { h2o_group->bar.wait(); }
+template <typename T>
+T simd_shuffle(T x, ushort src) {
+  static_assert(sizeof(T) <= 16, "simd_shuffle of a wide type");
+  H2OSimd& s = h2o_group->simd[h2o_warp];
+  std::memcpy(s.slot[h2o_lane], &x, sizeof(T));
+  s.bar.wait();
+  T y;
+  std::memcpy(&y, s.slot[src & 31], sizeof(T));
+  s.bar.wait();
+  return y;
+}
+template <typename T>
+T simd_shuffle_xor(T x, ushort mask) { return simd_shuffle(x, ushort(h2o_lane ^ mask)); }
+template <typename T> T min(T a, T b) { return a < b ? a : b; }
+template <typename T> T max(T a, T b) { return a > b ? a : b; }
+inline float fabs(float x) { return std::fabs(x); }
+inline float fmax(float a, float b) { return std::fmax(a, b); }
+inline float fmin(float a, float b) { return std::fmin(a, b); }
+inline float round(float x) { return std::round(x); }
+inline float floor(float x) { return std::floor(x); }
+namespace precise {
+inline float exp(float x) { return std::exp(x); }
+inline float log(float x) { return std::log(x); }
+inline float divide(float a, float b) { return a / b; }
+}  // namespace precise
+}  // namespace metal
+using metal::threadgroup_barrier;
+
+struct H2OIds {
+  uint3 thread_position_in_grid, thread_position_in_threadgroup,
+      threadgroup_position_in_grid, threadgroups_per_grid, threads_per_threadgroup;
+  uint thread_index_in_simdgroup, simdgroup_index_in_threadgroup,
+      thread_index_in_threadgroup, threads_per_simdgroup, simdgroups_per_threadgroup;
+};
+
+// Every threadgroup of the grid (grid counts threads, as metal_kernel's does),
+// one after another, a thread per Metal thread.
+static int h2o_run(const int* grid, const int* tg, int timeout_ms,
+                   const std::function<void(const H2OIds&)>& fn) {
+  h2o_failed = 0;
+  h2o_timeout_ms = timeout_ms;
+  const uint3 size = {uint(tg[0]), uint(tg[1]), uint(tg[2])};
+  const uint3 groups = {uint((grid[0] + tg[0] - 1) / tg[0]), uint((grid[1] + tg[1] - 1) / tg[1]),
+                        uint((grid[2] + tg[2] - 1) / tg[2])};
+  const int n = tg[0] * tg[1] * tg[2];
+  for (uint gz = 0; gz < groups.z && !h2o_failed; ++gz)
+    for (uint gy = 0; gy < groups.y && !h2o_failed; ++gy)
+      for (uint gx = 0; gx < groups.x && !h2o_failed; ++gx) {
+        H2OGroup group(n);
+        std::vector<std::thread> threads;
+        for (int t = 0; t < n; ++t) {
+          threads.emplace_back([&, t] {
+            h2o_group = &group;
+            h2o_lane = t % 32;
+            h2o_warp = t / 32;
+            H2OIds id;
+            id.thread_position_in_threadgroup = {uint(t) % size.x, uint(t) / size.x % size.y,
+                                                 uint(t) / (size.x * size.y)};
+            id.threadgroup_position_in_grid = {gx, gy, gz};
+            id.threadgroups_per_grid = groups;
+            id.threads_per_threadgroup = size;
+            id.thread_position_in_grid = {gx * size.x + id.thread_position_in_threadgroup.x,
+                                          gy * size.y + id.thread_position_in_threadgroup.y,
+                                          gz * size.z + id.thread_position_in_threadgroup.z};
+            id.thread_index_in_simdgroup = uint(t % 32);
+            id.simdgroup_index_in_threadgroup = uint(t / 32);
+            id.thread_index_in_threadgroup = uint(t);
+            id.threads_per_simdgroup = 32;
+            id.simdgroups_per_threadgroup = uint((n + 31) / 32);
+            fn(id);
+            group.bar.drop();
+            group.simd[t / 32].bar.drop();
+          });
+        }
+        for (auto& th : threads) th.join();
+      }
+  return h2o_failed.load();
+}
+
+// Metal's address spaces last (std::thread above): one address space here;
+// threadgroup arrays are shared by the threads of the group running now.
+#define device
+#define constant
+#define thread
+#define threadgroup static
+"""
+
+C_TYPES = {mx.float16: "float16_t", mx.bfloat16: "bfloat16_t", mx.float32: "float",
+           mx.int32: "int32_t", mx.uint32: "uint32_t", mx.bool_: "bool"}
+NP_TYPES = {mx.float16: np.float16, mx.bfloat16: np.uint16, mx.float32: np.float32,
+            mx.int32: np.int32, mx.uint32: np.uint32, mx.bool_: np.bool_}
+LAYOUTS = ("contiguous", "padded", "transposed")
+
+
+def _to_np(x: mx.array, layout: str) -> np.ndarray:
+    """``x`` as numpy (bfloat16 as its uint16 bits), stored as ``layout`` says."""
+    a = np.array(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x)
+    if a.ndim < 2 or layout == "contiguous":
+        return np.ascontiguousarray(a)
+    if layout == "padded":  # rows of the last axis 8 elements longer, NaN there
+        big = np.zeros(a.shape[:-1] + (a.shape[-1] + 8,), a.dtype)
+        if a.dtype.kind == "f":
+            big[...] = np.nan
+        elif a.dtype == np.uint16:  # bfloat16 NaN
+            big[...] = 0x7FC0
+        big[..., : a.shape[-1]] = a
+        return big[..., : a.shape[-1]]
+    return np.ascontiguousarray(np.swapaxes(a, -1, -2)).swapaxes(-1, -2)  # transposed
+
+
+class EmulatedKernel:
+    """A stand-in for ``mx.fast.metal_kernel(...)`` that runs on the CPU."""
+
+    _libs: Dict[str, ctypes.CDLL] = {}
+
+    def __init__(self, name: str, input_names: List[str], output_names: List[str],
+                 source: str, header: str = "", ensure_row_contiguous: bool = True,
+                 atomic_outputs: bool = False, layout: str = "contiguous",
+                 timeout_s: float = 20.0):
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout {layout!r}: use one of {LAYOUTS}")
+        self.name, self.inputs, self.outputs = name, list(input_names), list(output_names)
+        self.source, self.header = source, header
+        self.layout = "contiguous" if ensure_row_contiguous else layout
+        self.attrs = [a for a in ATTRIBUTES if a in source]
+        self.timeout_ms = int(timeout_s * 1000)
+
+    def _program(self, template, in_dtypes, out_dtypes) -> str:
+        params, values = [], []
+        for n, v in template:
+            if isinstance(v, mx.Dtype):
+                params.append(f"typename {n}")
+                values.append(C_TYPES[v])
+            else:
+                params.append(f"{'bool' if isinstance(v, bool) else 'int'} {n}")
+                values.append(str(v).lower() if isinstance(v, bool) else str(int(v)))
+        args, calls, i = [], [], 0
+        for n, dt in zip(self.inputs, in_dtypes):
+            args.append(f"const {C_TYPES[dt]}* {n}")
+            calls.append(f"(const {C_TYPES[dt]}*)a[{i}]")
+            for k, (suffix, t) in enumerate((("shape", "const int*"),
+                                             ("strides", "const int64_t*"))):
+                if f"{n}_{suffix}" in self.source:
+                    args.append(f"{t} {n}_{suffix}")
+                    calls.append(f"({t})a[{i + 1 + k}]")
+            if f"{n}_ndim" in self.source:
+                args.append(f"const int& {n}_ndim")
+                calls.append(f"*(const int*)a[{i + 3}]")
+            i += 4
+        for n, dt in zip(self.outputs, out_dtypes):
+            args.append(f"{C_TYPES[dt]}* {n}")
+            calls.append(f"({C_TYPES[dt]}*)a[{i}]")
+            i += 1
+        args += [f"{ATTRIBUTES[a]} {a}" for a in self.attrs]
+        calls += [f"id.{a}" for a in self.attrs]
+        tmpl = f"template <{', '.join(params)}>\n" if params else ""
+        inst = f"<{', '.join(values)}>" if params else ""
+        return (PRELUDE + self.header + "\n" + tmpl + "void h2o_kernel(\n  "
+                + ",\n  ".join(args) + ") {\n" + self.source + "\n}\n"
+                + 'extern "C" int h2o_launch(void** a, const int* grid, const int* tg, int ms) {\n'
+                + "  return h2o_run(grid, tg, ms, [&](const H2OIds& id) {\n"
+                + f"    h2o_kernel{inst}(" + ", ".join(calls) + ");\n  });\n}\n")
+
+    def _library(self, program: str) -> ctypes.CDLL:
+        key = hashlib.sha1(program.encode()).hexdigest()[:16]
+        lib = self._libs.get(key)
+        if lib is None:
+            cxx = find_cxx()
+            if not cxx:
+                raise RuntimeError("no clang++ to build the Metal emulation")
+            d = tempfile.mkdtemp(prefix="h2o_metal_emu_")
+            src, so = os.path.join(d, "k.cpp"), os.path.join(d, "k.so")
+            with open(src, "w") as f:
+                f.write(program)
+            res = subprocess.run([cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread",
+                                  "-Wno-unknown-attributes", "-o", so, src],
+                                 capture_output=True, text=True)
+            if res.returncode:
+                raise RuntimeError(f"{self.name}: the emulated Metal kernel did not build:\n"
+                                   + res.stderr[:4000])
+            lib = self._libs[key] = ctypes.CDLL(so)
+            lib.h2o_launch.restype = ctypes.c_int
+        return lib
+
+    def __call__(self, inputs, template=(), grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                 output_shapes=(), output_dtypes=(), init_value: Optional[float] = None,
+                 verbose: bool = False, stream=None) -> List[mx.array]:
+        if len(inputs) != len(self.inputs):
+            raise ValueError(f"{self.name}: {len(inputs)} inputs for {self.inputs}")
+        keep, ptrs = [], []
+        for name, x in zip(self.inputs, inputs):
+            # Only inputs whose strides the kernel reads may come strided (a
+            # launch's fresh outputs, read as contiguous, always are).
+            strided = x.ndim >= 2 and f"{name}_strides" in self.source
+            a = _to_np(x, self.layout if strided else "contiguous")
+            shape = np.array(a.shape, np.int32)
+            strides = np.array([s // a.itemsize for s in a.strides], np.int64)
+            ndim = np.array([a.ndim], np.int32)
+            keep += [a, shape, strides, ndim]
+            ptrs += [a.ctypes.data, shape.ctypes.data, strides.ctypes.data, ndim.ctypes.data]
+        outs = []
+        for shape, dt in zip(output_shapes, output_dtypes):
+            o = np.zeros(shape, NP_TYPES[dt])
+            if init_value is not None:
+                fill = mx.full((1,), init_value, dt)
+                o[...] = np.array(fill.view(mx.uint16) if dt == mx.bfloat16 else fill)[0]
+            outs.append(o)
+            ptrs.append(o.ctypes.data)
+        program = self._program(template, [x.dtype for x in inputs], list(output_dtypes))
+        lib = self._library(program)
+        argv = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        dims = [(ctypes.c_int * 3)(*v) for v in (grid, threadgroup)]
+        failed = lib.h2o_launch(argv, dims[0], dims[1], self.timeout_ms)
+        if failed:
+            what = ("a SIMD shuffle without every lane of its SIMD group" if failed == 2 else
+                    "a barrier that a live thread of its group never reached")
+            raise RuntimeError(f"{self.name}: {what} (divergent control flow)")
+        return [mx.array(o).view(mx.bfloat16) if dt == mx.bfloat16 else mx.array(o)
+                for o, dt in zip(outs, output_dtypes)]
