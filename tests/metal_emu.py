@@ -366,7 +366,7 @@ class EmulatedKernel:
         for shape, dt in zip(output_shapes, output_dtypes):
             o = np.zeros(shape, NP_TYPES[dt])
             if init_value is not None:
-                fill = mx.full((1,), init_value, dt)
+                fill = mx.array([init_value]).astype(dt)  # as MLX converts it
                 o[...] = np.array(fill.view(mx.uint16) if dt == mx.bfloat16 else fill)[0]
             outs.append(o)
             ptrs.append(o.ctypes.data)

@@ -8,24 +8,37 @@ the emulator does not model (Metal's arithmetic and memory model, speed) is
 in its docstring.
 """
 
+import os
+import sys
+
+import mlx.core as mx
 import pytest
 
-import metal_emu
-from mlx_h2o.kernels import build, decode
-from mlx_h2o.kernels.testing import Case, check_case
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+
+import gpu_check  # noqa: E402
+import metal_emu  # noqa: E402
+from mlx_h2o import H2OConfig, native  # noqa: E402
+from mlx_h2o.kernels import build, decode, h2o_step  # noqa: E402
+from mlx_h2o.kernels.testing import Case, check_case  # noqa: E402
 
 needs_clang = pytest.mark.skipif(not metal_emu.find_cxx(), reason="no clang++ for the emulator")
 
 
 def _clear_kernels():
-    for make in (build._make_pass1_kernel, build._make_pass2_kernel):
-        make.cache_clear()
+    """Forget built kernels and plans (they hold the kernels they were built with)."""
+    for name in dir(build):
+        if name.startswith("_make_"):
+            getattr(build, name).cache_clear()
+    h2o_step.step_plan.cache_clear()
 
 
 @pytest.fixture
 def metal(monkeypatch):
     """Kernels built for Metal and run by the emulator; ``metal(layout)`` sets
-    how strided inputs are handed over."""
+    how strided inputs are handed over. The emulator's outputs are plain
+    arrays (no graph), so repeated launches run again instead of replaying a
+    recording (no native tape, mx.compile off)."""
     layout = {"value": "contiguous"}
 
     def make(**kw):
@@ -34,8 +47,19 @@ def metal(monkeypatch):
     monkeypatch.setattr(build.mx.fast, "metal_kernel", make)
     monkeypatch.setattr(build, "device_backend", lambda: "metal")
     monkeypatch.setattr(decode, "device_backend", lambda: "metal")
+    monkeypatch.setattr(native, "load", lambda: None)
+    # Kernel factories build for Metal; the library's own dispatch (the
+    # reference cache of gpu_check's runs) sees no GPU and stays on the CPU
+    # paths: only the kernels called here run emulated.
+    monkeypatch.setattr(build, "gpu_backend", lambda: "metal")
+    monkeypatch.setattr(decode, "gpu_backend", lambda: None)
+    # The CPU is the device here: take the GPU paths' checks as passed.
+    monkeypatch.setattr(h2o_step, "h2o_step_supported", lambda *a, **k: True)
+    monkeypatch.setattr(h2o_step, "fold_step_supported", lambda *a, **k: True)
+    mx.disable_compile()
     _clear_kernels()
     yield lambda value: layout.__setitem__("value", value)
+    mx.enable_compile()
     _clear_kernels()
 
 
@@ -83,8 +107,6 @@ def test_metal_attention_reads_strided_buffers(metal, layout):
 def test_emulator_catches_divergent_shuffles(metal):
     """A shuffle that only some threads of a SIMD group reach fails the
     launch instead of returning made-up values."""
-    import mlx.core as mx
-
     from mlx_h2o.kernels import source
 
     body = source.METAL_IDS + """
@@ -97,3 +119,33 @@ def test_emulator_catches_divergent_shuffles(metal):
     with pytest.raises(RuntimeError, match="SIMD shuffle without every lane"):
         kernel(inputs=[mx.zeros((4,))], grid=(32, 1, 1), threadgroup=(32, 1, 1),
                output_shapes=[(32,)], output_dtypes=[mx.float32])
+
+
+FUSED_RUNS = [  # (config, B, Hq, Hk, D, dtype, window, prefill, splits)
+    (H2OConfig(max_size=40, sink_size=2, recent_budget=8), 1, 8, 2, 64, "float16", None, 30,
+     None),
+    (H2OConfig(max_size=48, sink_size=2, recent_budget=8, score="accumulated",
+               pinned=((5, 9),)), 2, 8, 2, 128, "bfloat16", 30, 40, 3),
+    (H2OConfig(max_size=32, sink_size=0, recent_budget=4, score="normalized"), 1, 4, 4, 80,
+     "float32", None, 20, 2),
+]
+
+
+@needs_clang
+@pytest.mark.parametrize("run", FUSED_RUNS, ids=lambda r: f"{r[0].score}-{r[5]}-S{r[8]}")
+def test_metal_fused_step_follows_the_reference_cache(metal, run):
+    """The fused H2O step (attention, score fold, next victim) on Metal's
+    text, step by step against the reference cache (gpu_check.fused_run:
+    victims equal up to near ties, positions equal, scores within 1e-4)."""
+    cfg, B, Hq, Hk, D, dt, window, prefill, splits = run
+    stats = gpu_check.fused_run(cfg, B=B, Hq=Hq, Hk=Hk, D=D, dtype=dt, window=window,
+                                prefill=prefill, steps=24, splits=splits, seed=3)
+    assert stats["fails"] == 0, stats
+    assert stats["evictions"] > 10, stats  # the cache filled and evicted
+
+
+@needs_clang
+def test_metal_fold_step_matches_the_policy(metal):
+    """h2o_fold_step on Metal's text against the policy in mx ops: equal
+    victims, positions and counts, scores within 1e-5 (gpu_check.run_fold)."""
+    assert gpu_check.run_fold(seed=4) == 0
