@@ -122,8 +122,8 @@ def test_emulator_catches_divergent_shuffles(metal):
 
 
 FUSED_RUNS = [  # (config, B, Hq, Hk, D, dtype, window, prefill, splits)
-    (H2OConfig(max_size=40, sink_size=2, recent_budget=8), 1, 8, 2, 64, "float16", None, 30,
-     None),
+    (H2OConfig(max_size=40, sink_size=2, recent_budget=8, score="ema"), 1, 8, 2, 64,
+     "float16", None, 30, None),
     (H2OConfig(max_size=48, sink_size=2, recent_budget=8, score="accumulated",
                pinned=((5, 9),)), 2, 8, 2, 128, "bfloat16", 30, 40, 3),
     (H2OConfig(max_size=32, sink_size=0, recent_budget=4, score="normalized"), 1, 4, 4, 80,
