@@ -54,8 +54,14 @@ def layer_state(rng, B, Hk, cap, n, M, offset):
 @pytest.mark.parametrize("dtype,D,Hq,Hk", [(mx.float16, 128, 32, 8), (mx.bfloat16, 64, 8, 8),
                                            (mx.float32, 256, 16, 2)])
 def test_group_fold_matches_reference(mode, dtype, D, Hq, Hk):
+    check_group_fold(mode, dtype, D, Hq, Hk)
+
+
+def check_group_fold(mode, dtype, D, Hq, Hk, B=2, sizes=(97, 256, 1025), caps=(97, 300, 1025),
+                     offset=3000):
+    """The group fold over layers of ``sizes`` keys in buffers of ``caps``
+    slots against ``fold_layer`` (also run on tests/metal_emu.py's emulator)."""
     rng = np.random.default_rng(abs(hash((mode, D))) % 2**32)
-    B, offset, sizes, caps = 2, 3000, (97, 256, 1025), (97, 300, 1025)
     base = H2OConfig(max_size=256, sink_size=4, heavy_budget=128, score=mode,
                      pinned=((100, 120),))
     cfgs = [with_max_size(base, s) for s in sizes]
@@ -96,10 +102,14 @@ def test_group_fold_matches_reference(mode, dtype, D, Hq, Hk):
 @pytest.mark.parametrize("bits,gs", [(8, 64), (4, 32), (4, 128), (2, 64)])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_group_fold_quantized_matches_reference(bits, gs, dtype):
+    check_group_fold_quantized(bits, gs, dtype)
+
+
+def check_group_fold_quantized(bits, gs, dtype, D=128, Hq=32, Hk=8, sizes=(256, 97)):
     """K in packed K/V buffers (kernels/packed.py): the kernel dequantizes
     in registers; the reference folds the mx.dequantize'd keys."""
     rng = np.random.default_rng(bits * 1000 + gs)
-    B, D, Hq, Hk, offset, sizes = 1, 128, 32, 8, 2000, (256, 97)
+    B, offset = 1, 2000
     base = H2OConfig(max_size=256, sink_size=4, heavy_budget=128)
     cfgs = [with_max_size(base, s) for s in sizes]
     M = max(sizes)

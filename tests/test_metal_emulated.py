@@ -18,8 +18,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
 import gpu_check  # noqa: E402
 import metal_emu  # noqa: E402
+import test_group_fold_gpu  # noqa: E402
 from mlx_h2o import H2OConfig, native  # noqa: E402
-from mlx_h2o.kernels import build, decode, h2o_step  # noqa: E402
+from mlx_h2o.kernels import build, decode, group_fold, h2o_step  # noqa: E402
 from mlx_h2o.kernels.testing import Case, check_case  # noqa: E402
 
 needs_clang = pytest.mark.skipif(not metal_emu.find_cxx(), reason="no clang++ for the emulator")
@@ -31,6 +32,7 @@ def _clear_kernels():
         if name.startswith("_make_"):
             getattr(build, name).cache_clear()
     h2o_step.step_plan.cache_clear()
+    group_fold.group_plan.cache_clear()
 
 
 @pytest.fixture
@@ -56,6 +58,9 @@ def metal(monkeypatch):
     # The CPU is the device here: take the GPU paths' checks as passed.
     monkeypatch.setattr(h2o_step, "h2o_step_supported", lambda *a, **k: True)
     monkeypatch.setattr(h2o_step, "fold_step_supported", lambda *a, **k: True)
+    monkeypatch.setattr(group_fold, "gpu_backend", lambda: "metal")
+    monkeypatch.setattr(group_fold, "group_fold_supported", lambda *a, **k: True)
+    monkeypatch.setattr(test_group_fold_gpu, "group_fold_supported", lambda *a, **k: True)
     mx.disable_compile()
     _clear_kernels()
     yield lambda value: layout.__setitem__("value", value)
@@ -149,3 +154,22 @@ def test_metal_fold_step_matches_the_policy(metal):
     """h2o_fold_step on Metal's text against the policy in mx ops: equal
     victims, positions and counts, scores within 1e-5 (gpu_check.run_fold)."""
     assert gpu_check.run_fold(seed=4) == 0
+
+
+@needs_clang
+@pytest.mark.parametrize("mode", ["accumulated", "normalized", "ema", "attention_ema"])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_metal_group_fold_matches_the_policy(metal, mode, dtype):
+    """The group fold (a full cache's one launch a token) on Metal's text:
+    two layers of different sizes and capacities against the per-layer
+    policy ops (test_group_fold_gpu.check_group_fold, smaller shapes)."""
+    test_group_fold_gpu.check_group_fold(mode, dtype, D=64, Hq=8, Hk=2, B=1, sizes=(61, 97),
+                                         caps=(64, 97), offset=500)
+
+
+@needs_clang
+@pytest.mark.parametrize("bits,gs", [(8, 64), (4, 32)])
+def test_metal_group_fold_reads_packed_keys(metal, bits, gs):
+    """The group fold over packed quantized K/V, dequantized in registers."""
+    test_group_fold_gpu.check_group_fold_quantized(bits, gs, mx.float16, D=64, Hq=8, Hk=2,
+                                                   sizes=(64, 37))
