@@ -19,8 +19,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 import gpu_check  # noqa: E402
 import metal_emu  # noqa: E402
 import test_group_fold_gpu  # noqa: E402
+import test_kv_write_gpu  # noqa: E402
+import test_quantized_kernel  # noqa: E402
+import test_queue_fold_gpu  # noqa: E402
 from mlx_h2o import H2OConfig, native  # noqa: E402
-from mlx_h2o.kernels import build, decode, group_fold, h2o_step  # noqa: E402
+from mlx_h2o.kernels import (build, decode, group_fold, h2o_step, kv_write,  # noqa: E402
+                             quantized_gpu, queued)
 from mlx_h2o.kernels.testing import Case, check_case  # noqa: E402
 
 needs_clang = pytest.mark.skipif(not metal_emu.find_cxx(), reason="no clang++ for the emulator")
@@ -33,6 +37,11 @@ def _clear_kernels():
             getattr(build, name).cache_clear()
     h2o_step.step_plan.cache_clear()
     group_fold.group_plan.cache_clear()
+    kv_write.write_plan.cache_clear()
+    kv_write._make_write_kernel.cache_clear()
+    queued._make_pass_kernel.cache_clear()
+    quantized_gpu._make_quantized_kernel.cache_clear()
+    quantized_gpu._make_merge_kernel.cache_clear()
 
 
 @pytest.fixture
@@ -61,6 +70,10 @@ def metal(monkeypatch):
     monkeypatch.setattr(group_fold, "gpu_backend", lambda: "metal")
     monkeypatch.setattr(group_fold, "group_fold_supported", lambda *a, **k: True)
     monkeypatch.setattr(test_group_fold_gpu, "group_fold_supported", lambda *a, **k: True)
+    for module in (kv_write, queued, quantized_gpu):
+        monkeypatch.setattr(module, "gpu_backend", lambda: "metal")
+    for module in (kv_write, queued):
+        monkeypatch.setattr(module, "runs_on_gpu", lambda: True)
     mx.disable_compile()
     _clear_kernels()
     yield lambda value: layout.__setitem__("value", value)
@@ -173,3 +186,86 @@ def test_metal_group_fold_reads_packed_keys(metal, bits, gs):
     """The group fold over packed quantized K/V, dequantized in registers."""
     test_group_fold_gpu.check_group_fold_quantized(bits, gs, mx.float16, D=64, Hq=8, Hk=2,
                                                    sizes=(64, 37))
+
+
+# The GPU test files' own checks, called with the emulator in place (smaller
+# cases where theirs would take minutes on one CPU).
+@needs_clang
+@pytest.mark.parametrize("dtype,D", [(mx.float16, 64), (mx.bfloat16, 80)])
+def test_metal_dense_write(metal, dtype, D):
+    test_kv_write_gpu.test_dense_write_matches_put_along_axis(dtype, D)
+
+
+def gpu_quantize(x, group_size=64, bits=8):
+    """mx.quantize as MLX's GPU kernels compute it (the K/V write kernels
+    mirror those): the group's max starts at 0 and ties round away from
+    zero; MLX's CPU quantize starts at -inf and rounds ties to even, so on
+    the CPU it is not the reference for these kernels. float32 numpy."""
+    import numpy as np
+
+    a = np.array(x.astype(mx.float32)).reshape(-1, group_size)
+    nbins = np.float32((1 << bits) - 1)
+
+    def round_away(v):
+        return np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))
+
+    w_min, w_max = a.min(1), np.maximum(a.max(1), np.float32(0))
+    scale = np.maximum((w_max - w_min) / nbins, np.float32(1e-7))
+    side = np.abs(w_min) > np.abs(w_max)
+    scale = np.where(side, scale, -scale)
+    edge = np.where(side, w_min, w_max)
+    q0 = round_away(edge / scale)
+    scale = np.where(q0 == 0, scale, edge / np.where(q0 == 0, 1, q0)).astype(np.float32)
+    bias = np.where(q0 == 0, 0, edge).astype(np.float32)
+    codes = np.clip(round_away((a - bias[:, None]) / scale[:, None]), 0, nbins)
+    per = 32 // bits
+    codes = codes.astype(np.uint64).reshape(-1, per) << (np.arange(per, dtype=np.uint64) * bits)
+    words = codes.sum(1).astype(np.uint32).reshape(*x.shape[:-1], -1)
+    shape = (*x.shape[:-1], x.shape[-1] // group_size)
+    return (mx.array(words), mx.array(scale.reshape(shape)).astype(x.dtype),
+            mx.array(bias.reshape(shape)).astype(x.dtype))
+
+
+@needs_clang
+@pytest.mark.parametrize("dtype,D,bits,gs,dense_out", [(mx.bfloat16, 64, 4, 32, True),
+                                                       (mx.float16, 128, 8, 64, False)])
+def test_metal_quantized_write(metal, monkeypatch, dtype, D, bits, gs, dense_out):
+    monkeypatch.setattr(mx, "quantize", gpu_quantize)
+    test_kv_write_gpu.test_quantized_write_matches_mx_quantize(dtype, D, bits, gs, dense_out)
+
+
+@needs_clang
+def test_metal_packed_write(metal, monkeypatch):
+    monkeypatch.setattr(mx, "quantize", gpu_quantize)
+    test_kv_write_gpu.test_packed_write_matches_mx_quantize(mx.float16, 64, 4, 32)
+
+
+def test_gpu_quantize_is_mx_quantize_away_from_ties():
+    """The stand-in oracle agrees with MLX's quantize wherever no value sits
+    on a rounding tie (random float32 data: none do)."""
+    import numpy as np
+
+    x = mx.array(np.random.default_rng(0).standard_normal((3, 4, 256)).astype(np.float32))
+    for bits, gs in ((4, 32), (8, 64), (2, 128)):
+        for got, want in zip(gpu_quantize(x, gs, bits), mx.quantize(x, group_size=gs, bits=bits)):
+            np.testing.assert_array_equal(np.array(got), np.array(want))
+
+
+@needs_clang
+@pytest.mark.parametrize("dtype,D,Hq,Hk,n,T", [(mx.float16, 64, 8, 8, 97, 7),
+                                               (mx.bfloat16, 96, 8, 2, 257, 32),
+                                               (mx.float32, 128, 32, 8, 1, 1)])
+def test_metal_queue_fold(metal, dtype, D, Hq, Hk, n, T):
+    test_queue_fold_gpu.test_queue_fold_matches_float64(dtype, D, Hq, Hk, n, T)
+
+
+@needs_clang
+@pytest.mark.parametrize("tile", queued.TILES)
+def test_metal_queue_fold_tiles(metal, tile):
+    test_queue_fold_gpu.test_queue_fold_any_visible_counts(tile)
+
+
+@needs_clang
+@pytest.mark.parametrize("N,bits", [(1, (4,)), (97, (8,)), (257, (8, 4))])
+def test_metal_quantized_attention(metal, N, bits):
+    test_quantized_kernel.test_gpu_kernel_matches_reference(N, bits)
