@@ -269,3 +269,16 @@ def test_metal_queue_fold_tiles(metal, tile):
 @pytest.mark.parametrize("N,bits", [(1, (4,)), (97, (8,)), (257, (8, 4))])
 def test_metal_quantized_attention(metal, N, bits):
     test_quantized_kernel.test_gpu_kernel_matches_reference(N, bits)
+
+
+@needs_clang
+def test_metal_kernels_pass_their_first_use_check(metal):
+    """The check a Mac runs before using the Metal kernels (kernels/selfcheck.py)
+    passes on the Metal text, without a warning."""
+    import warnings
+
+    from mlx_h2o.kernels import selfcheck
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert selfcheck.kernels_pass(device=mx.cpu)
