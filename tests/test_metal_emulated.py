@@ -59,6 +59,7 @@ def metal(monkeypatch):
     monkeypatch.setattr(build, "device_backend", lambda: "metal")
     monkeypatch.setattr(decode, "device_backend", lambda: "metal")
     monkeypatch.setattr(native, "load", lambda: None)
+    monkeypatch.setattr(decode, "_REPEATED", decode.Repeated())  # no replays kept after
     # Kernel factories build for Metal; the library's own dispatch (the
     # reference cache of gpu_check's runs) sees no GPU and stays on the CPU
     # paths: only the kernels called here run emulated.
