@@ -5,17 +5,19 @@ run"). ``EmulatedKernel`` stands in for ``mx.fast.metal_kernel``: it wraps
 the kernel's header and body as MLX's metal_kernel does (template
 parameters, inputs with ``_shape`` / ``_strides`` / ``_ndim``, outputs, the
 thread attributes the body names), compiles that as C++20 with clang into a
-shared library, and runs every threadgroup with one OS thread per Metal
-thread: ``threadgroup`` memory is shared by the group, ``threadgroup_barrier``
-waits for the group, and ``simd_shuffle(_xor)`` exchanges values among the
-32 threads of a SIMD group through a barrier. Threadgroups run one after
-another. A barrier that is not reached by every live thread of its group
-within 20 s fails the launch (divergent barriers or shuffles).
+shared library, and runs every threadgroup with one fiber (ucontext) per
+Metal thread on one OS thread: ``threadgroup`` memory is shared by the
+group, ``threadgroup_barrier`` waits for the group, and ``simd_shuffle(_xor)``
+exchanges values among the 32 threads of a SIMD group through a barrier.
+A thread runs until it waits at a barrier or returns; threadgroups run one
+after another. A launch fails when every live thread waits at a barrier
+that cannot complete, or when a SIMD shuffle runs without every lane of its
+group (divergent control flow).
 
 So the Metal prelude and the shared body run as Metal would run them, up to
 what the emulator does not model: Metal's own arithmetic (``precise::exp``
-is ``std::exp``; half and bfloat16 are clang's ``_Float16`` and ``__bf16``),
-memory ordering and races beyond barrier points, and speed.
+is ``std::exp``; half is clang's ``_Float16``, bfloat16 a round-to-nearest-
+even struct), memory ordering and races beyond barrier points, and speed.
 
 Inputs that a kernel reads with their strides (``ensure_row_contiguous`` off
 and ``NAME_strides`` in the body) are handed over in the layout ``layout``
@@ -39,17 +41,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 from metal_check import ATTRIBUTES, find_cxx  # noqa: E402
 
 PRELUDE = r"""
-#include <atomic>
+#include <ucontext.h>
+
 #include <cfloat>
-#include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <deque>
 #include <functional>
-#include <mutex>
-#include <thread>
 #include <vector>
 #define __METAL_VERSION__ 310
 typedef unsigned int uint;
@@ -89,16 +88,15 @@ T as_type(U u) {
   return t;
 }
 
-// 1: a barrier some live thread never reached; 2: a SIMD shuffle without
-// every lane of its group (a lane waiting while another left, or one left).
-static std::atomic<int> h2o_failed{0};
-static int h2o_timeout_ms = 20000;
+// 1: a barrier some live thread can never reach (every live thread waits);
+// 2: a SIMD shuffle without every lane of its SIMD group.
+static int h2o_failed = 0;
+static long h2o_progress = 0;  // barriers completed and threads finished
+void h2o_yield();
 
-// A barrier that threads may leave (a returned thread no longer counts).
+// A barrier of cooperative threads; a returned thread no longer counts.
 // ``simd``: every lane must take part (a SIMD shuffle), else failure 2.
 struct H2OBarrier {
-  std::mutex m;
-  std::condition_variable cv;
   int expected;
   const int full;
   const bool simd;
@@ -106,36 +104,28 @@ struct H2OBarrier {
   long gen = 0;
   H2OBarrier(int n, bool simd_) : expected(n), full(n), simd(simd_) {}
   void wait() {
-    std::unique_lock<std::mutex> l(m);
     if (h2o_failed) return;
     if (simd && expected < full) {
       h2o_failed = 2;
-      cv.notify_all();
       return;
     }
     const long g = gen;
     if (++arrived >= expected) {
       arrived = 0;
       ++gen;
-      cv.notify_all();
+      ++h2o_progress;
       return;
     }
-    const auto limit = std::chrono::milliseconds(h2o_timeout_ms);
-    if (!cv.wait_for(l, limit, [&] { return gen != g || h2o_failed; })) {
-      h2o_failed = 1;
-      cv.notify_all();
-    }
+    while (gen == g && !h2o_failed) h2o_yield();
   }
   void drop() {
-    std::unique_lock<std::mutex> l(m);
     --expected;
     if (simd && arrived > 0) {
       h2o_failed = 2;
-      cv.notify_all();
     } else if (arrived > 0 && arrived >= expected) {
       arrived = 0;
       ++gen;
-      cv.notify_all();
+      ++h2o_progress;
     }
   }
 };
@@ -148,15 +138,25 @@ struct H2OSimd {
 
 struct H2OGroup {
   H2OBarrier bar;
-  std::deque<H2OSimd> simd;  // not moved once built (barriers hold mutexes)
+  std::deque<H2OSimd> simd;
   explicit H2OGroup(int n) : bar(n, false) {
     for (int w = 0; w < (n + 31) / 32; ++w) simd.emplace_back(n - 32 * w < 32 ? n - 32 * w : 32);
   }
 };
 
-static thread_local H2OGroup* h2o_group;
-static thread_local int h2o_lane;
-static thread_local int h2o_warp;
+// Metal threads as fibers of one OS thread: each runs until it waits at a
+// barrier or returns; the scheduler resumes them in turn.
+static H2OGroup* h2o_group;
+static int h2o_lane;
+static int h2o_warp;
+static int h2o_cur;
+static ucontext_t h2o_main;
+static std::vector<ucontext_t> h2o_ctx;
+
+void h2o_yield() {
+  const int me = h2o_cur;
+  swapcontext(&h2o_ctx[me], &h2o_main);
+}
 
 namespace metal {
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2 };
@@ -198,50 +198,78 @@ struct H2OIds {
 };
 
 // Every threadgroup of the grid (grid counts threads, as metal_kernel's does),
-// one after another, a thread per Metal thread.
-static int h2o_run(const int* grid, const int* tg, int timeout_ms,
-                   const std::function<void(const H2OIds&)>& fn) {
+// one after another.
+static const std::function<void(const H2OIds&)>* h2o_fn;
+static uint3 h2o_size, h2o_groups, h2o_at;
+static std::vector<char> h2o_done;
+
+static void h2o_entry() {
+  const int t = h2o_cur;
+  H2OIds id;
+  const uint3 size = h2o_size;
+  id.thread_position_in_threadgroup = {uint(t) % size.x, uint(t) / size.x % size.y,
+                                       uint(t) / (size.x * size.y)};
+  id.threadgroup_position_in_grid = h2o_at;
+  id.threadgroups_per_grid = h2o_groups;
+  id.threads_per_threadgroup = size;
+  id.thread_position_in_grid = {h2o_at.x * size.x + id.thread_position_in_threadgroup.x,
+                                h2o_at.y * size.y + id.thread_position_in_threadgroup.y,
+                                h2o_at.z * size.z + id.thread_position_in_threadgroup.z};
+  id.thread_index_in_simdgroup = uint(t % 32);
+  id.simdgroup_index_in_threadgroup = uint(t / 32);
+  id.thread_index_in_threadgroup = uint(t);
+  id.threads_per_simdgroup = 32;
+  id.simdgroups_per_threadgroup = uint(h2o_group->simd.size());
+  (*h2o_fn)(id);
+  h2o_group->bar.drop();
+  h2o_group->simd[t / 32].bar.drop();
+  h2o_done[t] = 1;
+  ++h2o_progress;
+}  // returns to h2o_main (uc_link)
+
+static int h2o_run(const int* grid, const int* tg, const std::function<void(const H2OIds&)>& fn) {
+  constexpr size_t STACK = 256 * 1024;
   h2o_failed = 0;
-  h2o_timeout_ms = timeout_ms;
-  const uint3 size = {uint(tg[0]), uint(tg[1]), uint(tg[2])};
-  const uint3 groups = {uint((grid[0] + tg[0] - 1) / tg[0]), uint((grid[1] + tg[1] - 1) / tg[1]),
-                        uint((grid[2] + tg[2] - 1) / tg[2])};
+  h2o_fn = &fn;
+  h2o_size = {uint(tg[0]), uint(tg[1]), uint(tg[2])};
+  h2o_groups = {uint((grid[0] + tg[0] - 1) / tg[0]), uint((grid[1] + tg[1] - 1) / tg[1]),
+                uint((grid[2] + tg[2] - 1) / tg[2])};
   const int n = tg[0] * tg[1] * tg[2];
-  for (uint gz = 0; gz < groups.z && !h2o_failed; ++gz)
-    for (uint gy = 0; gy < groups.y && !h2o_failed; ++gy)
-      for (uint gx = 0; gx < groups.x && !h2o_failed; ++gx) {
+  std::vector<char> stacks(STACK * n);
+  h2o_ctx.assign(n, ucontext_t{});
+  h2o_done.assign(n, 0);
+  for (uint gz = 0; gz < h2o_groups.z && !h2o_failed; ++gz)
+    for (uint gy = 0; gy < h2o_groups.y && !h2o_failed; ++gy)
+      for (uint gx = 0; gx < h2o_groups.x && !h2o_failed; ++gx) {
         H2OGroup group(n);
-        std::vector<std::thread> threads;
+        h2o_group = &group;
+        h2o_at = {gx, gy, gz};
         for (int t = 0; t < n; ++t) {
-          threads.emplace_back([&, t] {
-            h2o_group = &group;
+          getcontext(&h2o_ctx[t]);
+          h2o_ctx[t].uc_stack.ss_sp = stacks.data() + STACK * t;
+          h2o_ctx[t].uc_stack.ss_size = STACK;
+          h2o_ctx[t].uc_link = &h2o_main;
+          makecontext(&h2o_ctx[t], h2o_entry, 0);
+          h2o_done[t] = 0;
+        }
+        int live = n;
+        while (live > 0 && !h2o_failed) {
+          const long before = h2o_progress;
+          for (int t = 0; t < n && !h2o_failed; ++t) {
+            if (h2o_done[t]) continue;
+            h2o_cur = t;
             h2o_lane = t % 32;
             h2o_warp = t / 32;
-            H2OIds id;
-            id.thread_position_in_threadgroup = {uint(t) % size.x, uint(t) / size.x % size.y,
-                                                 uint(t) / (size.x * size.y)};
-            id.threadgroup_position_in_grid = {gx, gy, gz};
-            id.threadgroups_per_grid = groups;
-            id.threads_per_threadgroup = size;
-            id.thread_position_in_grid = {gx * size.x + id.thread_position_in_threadgroup.x,
-                                          gy * size.y + id.thread_position_in_threadgroup.y,
-                                          gz * size.z + id.thread_position_in_threadgroup.z};
-            id.thread_index_in_simdgroup = uint(t % 32);
-            id.simdgroup_index_in_threadgroup = uint(t / 32);
-            id.thread_index_in_threadgroup = uint(t);
-            id.threads_per_simdgroup = 32;
-            id.simdgroups_per_threadgroup = uint((n + 31) / 32);
-            fn(id);
-            group.bar.drop();
-            group.simd[t / 32].bar.drop();
-          });
+            swapcontext(&h2o_main, &h2o_ctx[t]);
+            live -= h2o_done[t];
+          }
+          if (h2o_progress == before && live > 0 && !h2o_failed) h2o_failed = 1;
         }
-        for (auto& th : threads) th.join();
       }
-  return h2o_failed.load();
+  return h2o_failed;
 }
 
-// Metal's address spaces last (std::thread above): one address space here;
+// Metal's address spaces last (after the C++ headers): one address space here;
 // threadgroup arrays are shared by the threads of the group running now.
 #define device
 #define constant
@@ -279,15 +307,13 @@ class EmulatedKernel:
 
     def __init__(self, name: str, input_names: List[str], output_names: List[str],
                  source: str, header: str = "", ensure_row_contiguous: bool = True,
-                 atomic_outputs: bool = False, layout: str = "contiguous",
-                 timeout_s: float = 20.0):
+                 atomic_outputs: bool = False, layout: str = "contiguous"):
         if layout not in LAYOUTS:
             raise ValueError(f"layout {layout!r}: use one of {LAYOUTS}")
         self.name, self.inputs, self.outputs = name, list(input_names), list(output_names)
         self.source, self.header = source, header
         self.layout = "contiguous" if ensure_row_contiguous else layout
         self.attrs = [a for a in ATTRIBUTES if a in source]
-        self.timeout_ms = int(timeout_s * 1000)
 
     def _program(self, template, in_dtypes, out_dtypes) -> str:
         params, values = [], []
@@ -321,8 +347,8 @@ class EmulatedKernel:
         inst = f"<{', '.join(values)}>" if params else ""
         return (PRELUDE + self.header + "\n" + tmpl + "void h2o_kernel(\n  "
                 + ",\n  ".join(args) + ") {\n" + self.source + "\n}\n"
-                + 'extern "C" int h2o_launch(void** a, const int* grid, const int* tg, int ms) {\n'
-                + "  return h2o_run(grid, tg, ms, [&](const H2OIds& id) {\n"
+                + 'extern "C" int h2o_launch(void** a, const int* grid, const int* tg) {\n'
+                + "  return h2o_run(grid, tg, [&](const H2OIds& id) {\n"
                 + f"    h2o_kernel{inst}(" + ", ".join(calls) + ");\n  });\n}\n")
 
     def _library(self, program: str) -> ctypes.CDLL:
@@ -336,7 +362,7 @@ class EmulatedKernel:
             src, so = os.path.join(d, "k.cpp"), os.path.join(d, "k.so")
             with open(src, "w") as f:
                 f.write(program)
-            res = subprocess.run([cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread",
+            res = subprocess.run([cxx, "-std=c++20", "-O1", "-shared", "-fPIC",
                                   "-Wno-unknown-attributes", "-o", so, src],
                                  capture_output=True, text=True)
             if res.returncode:
@@ -374,10 +400,10 @@ class EmulatedKernel:
         lib = self._library(program)
         argv = (ctypes.c_void_p * len(ptrs))(*ptrs)
         dims = [(ctypes.c_int * 3)(*v) for v in (grid, threadgroup)]
-        failed = lib.h2o_launch(argv, dims[0], dims[1], self.timeout_ms)
+        failed = lib.h2o_launch(argv, dims[0], dims[1])
         if failed:
             what = ("a SIMD shuffle without every lane of its SIMD group" if failed == 2 else
-                    "a barrier that a live thread of its group never reached")
+                    "every live thread waits at a barrier that cannot complete")
             raise RuntimeError(f"{self.name}: {what} (divergent control flow)")
         return [mx.array(o).view(mx.bfloat16) if dt == mx.bfloat16 else mx.array(o)
                 for o, dt in zip(outs, output_dtypes)]

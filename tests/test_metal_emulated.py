@@ -124,8 +124,9 @@ def test_metal_attention_reads_strided_buffers(metal, layout):
 
 @needs_clang
 def test_emulator_catches_divergent_shuffles(metal):
-    """A shuffle that only some threads of a SIMD group reach fails the
-    launch instead of returning made-up values."""
+    """A shuffle that only some threads of a SIMD group reach, or threads
+    waiting at barriers that cannot complete, fail the launch instead of
+    returning made-up values (or hanging)."""
     from mlx_h2o.kernels import source
 
     body = source.METAL_IDS + """
@@ -133,11 +134,25 @@ def test_emulator_catches_divergent_shuffles(metal):
   if (lane < 16) x = H2O_SHFL_XOR(x, 1);
   out[tid] = x;
 """
-    kernel = metal_emu.EmulatedKernel("divergent", ["q"], ["out"], body, source.METAL_HEADER,
-                                      timeout_s=2)
+    kernel = metal_emu.EmulatedKernel("divergent", ["q"], ["out"], body, source.METAL_HEADER)
     with pytest.raises(RuntimeError, match="SIMD shuffle without every lane"):
         kernel(inputs=[mx.zeros((4,))], grid=(32, 1, 1), threadgroup=(32, 1, 1),
                output_shapes=[(32,)], output_dtypes=[mx.float32])
+    # Lane 0 waits at the group's barrier, the others at their shuffle: neither
+    # can complete.
+    body = source.METAL_IDS + """
+  float x = float(tid);
+  if (lane == 0) {
+    H2O_BARRIER();
+  } else {
+    x = H2O_SHFL_XOR(x, 1);
+  }
+  out[tid] = x;
+"""
+    kernel = metal_emu.EmulatedKernel("deadlock", ["q"], ["out"], body, source.METAL_HEADER)
+    with pytest.raises(RuntimeError, match="barrier that cannot complete"):
+        kernel(inputs=[mx.zeros((4,))], grid=(64, 1, 1), threadgroup=(64, 1, 1),
+               output_shapes=[(64,)], output_dtypes=[mx.float32])
 
 
 FUSED_RUNS = [  # (config, B, Hq, Hk, D, dtype, window, prefill, splits)
