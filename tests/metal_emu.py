@@ -41,6 +41,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 from metal_check import ATTRIBUTES, find_cxx  # noqa: E402
 
 PRELUDE = r"""
+#if defined(__APPLE__)
+#define _XOPEN_SOURCE 700  // macOS keeps the ucontext calls behind it (not run there)
+#endif
 #include <ucontext.h>
 
 #include <cfloat>
