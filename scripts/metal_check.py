@@ -38,6 +38,25 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import nvrtc_check as nv  # noqa: E402  (the variant lists and their names)
 
+# Metal value types and as_type, also tests/metal_emu.py's.
+MSL_VALUES = r"""
+struct uint3 { uint x, y, z; };
+// A built-in vector type (any address space) that float4(a, b, c, d) builds.
+typedef float float4 __attribute__((ext_vector_type(4)));
+inline float4 h2o_float4(float a, float b, float c, float d) {
+  float4 v = {a, b, c, d};
+  return v;
+}
+#define float4(...) h2o_float4(__VA_ARGS__)
+template <typename T, typename U>
+T as_type(U u) {
+  static_assert(sizeof(T) == sizeof(U), "as_type between sizes");
+  T t;
+  std::memcpy(&t, &u, sizeof(T));
+  return t;
+}
+"""
+
 # Stand-ins for what the kernels use of the Metal standard library and of
 # MLX's Metal utils header (which metal_kernel puts first).
 PRELUDE = r"""
@@ -55,22 +74,7 @@ typedef unsigned short ushort;
 typedef _Float16 half;
 typedef half float16_t;
 typedef __bf16 bfloat16_t;
-struct uint3 { uint x, y, z; };
-// A built-in vector type (any address space) that float4(a, b, c, d) builds.
-typedef float float4 __attribute__((ext_vector_type(4)));
-inline float4 h2o_float4(float a, float b, float c, float d) {
-  float4 v = {a, b, c, d};
-  return v;
-}
-#define float4(...) h2o_float4(__VA_ARGS__)
-template <typename T, typename U>
-T as_type(U u) {
-  static_assert(sizeof(T) == sizeof(U), "as_type between sizes");
-  T t;
-  std::memcpy(&t, &u, sizeof(T));
-  return t;
-}
-namespace metal {
+""" + MSL_VALUES + r"""namespace metal {
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2 };
 inline mem_flags operator|(mem_flags a, mem_flags b) {
   return mem_flags(int(a) | int(b));

@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
-from metal_check import ATTRIBUTES, find_cxx  # noqa: E402
+from metal_check import ATTRIBUTES, MSL_VALUES, find_cxx  # noqa: E402
 
 PRELUDE = r"""
 #if defined(__APPLE__)
@@ -76,20 +76,7 @@ struct bfloat16_t {
     return f;
   }
 };
-struct uint3 { uint x, y, z; };
-typedef float float4 __attribute__((ext_vector_type(4)));
-inline float4 h2o_float4(float a, float b, float c, float d) {
-  float4 v = {a, b, c, d};
-  return v;
-}
-#define float4(...) h2o_float4(__VA_ARGS__)
-template <typename T, typename U>
-T as_type(U u) {
-  static_assert(sizeof(T) == sizeof(U), "as_type between sizes");
-  T t;
-  std::memcpy(&t, &u, sizeof(T));
-  return t;
-}
+""" + MSL_VALUES + r"""
 
 // 1: a barrier some live thread can never reach (every live thread waits);
 // 2: a SIMD shuffle without every lane of its SIMD group.

@@ -95,14 +95,18 @@ ATTENTION_CASES = [
 ]
 
 
-@needs_clang
-@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: c.label())
-def test_metal_attention_matches_float64(metal, case):
+def attend(case: Case):
+    """check_case's fn: decode_attention with the case's splits, outputs poisoned."""
     def fn(q, k, v, scale, mask, sinks):
         return decode.decode_attention(q, k, v, scale=scale, mask=mask, sinks=sinks,
                                        num_splits=case.splits, poison=float("nan"))
+    return fn
 
-    ok, errs = check_case(case, 11, fn)
+
+@needs_clang
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: c.label())
+def test_metal_attention_matches_float64(metal, case):
+    ok, errs = check_case(case, 11, attend(case))
     assert ok, errs
 
 
@@ -113,12 +117,7 @@ def test_metal_attention_reads_strided_buffers(metal, layout):
     or a transposed last axis: the kernels must follow the strides."""
     metal(layout)
     case = Case(N=203, D=64, Hq=8, Hk=2, mask="bool_kv", splits=2)
-
-    def fn(q, k, v, scale, mask, sinks):
-        return decode.decode_attention(q, k, v, scale=scale, mask=mask, sinks=sinks,
-                                       num_splits=case.splits, poison=float("nan"))
-
-    ok, errs = check_case(case, 5, fn)
+    ok, errs = check_case(case, 5, attend(case))
     assert ok, errs
 
 
