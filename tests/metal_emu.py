@@ -28,6 +28,7 @@ or the last axis transposed (the element-by-element path).
 import ctypes
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -267,6 +268,10 @@ static int h2o_run(const int* grid, const int* tg, const std::function<void(cons
 #define threadgroup static
 """
 
+# Apple GPUs' threadgroup memory a threadgroup may use (MTLDevice
+# maxThreadgroupMemoryLength): a kernel over it would not launch there.
+METAL_THREADGROUP_BYTES = 32 * 1024
+
 C_TYPES = {mx.float16: "float16_t", mx.bfloat16: "bfloat16_t", mx.float32: "float",
            mx.int32: "int32_t", mx.uint32: "uint32_t", mx.bool_: "bool"}
 NP_TYPES = {mx.float16: np.float16, mx.bfloat16: np.uint16, mx.float32: np.float32,
@@ -288,6 +293,22 @@ def _to_np(x: mx.array, layout: str) -> np.ndarray:
         big[..., : a.shape[-1]] = a
         return big[..., : a.shape[-1]]
     return np.ascontiguousarray(np.swapaxes(a, -1, -2)).swapaxes(-1, -2)  # transposed
+
+
+def _threadgroup_bytes(so: str) -> Optional[int]:
+    """The kernel's threadgroup memory: its ``threadgroup`` arrays are static
+    locals of h2o_kernel here (nm's sizes); None without nm."""
+    nm = shutil.which("nm") or shutil.which("llvm-nm")
+    if nm is None:
+        return None
+    res = subprocess.run([nm, "-S", "-C", so], capture_output=True, text=True)
+    total = 0
+    for line in res.stdout.splitlines():
+        parts = line.split(maxsplit=3)
+        if len(parts) == 4 and parts[3].startswith(("h2o_kernel<", "h2o_kernel(")) \
+                and ")::" in parts[3]:
+            total += int(parts[1], 16)
+    return total
 
 
 class EmulatedKernel:
@@ -360,6 +381,7 @@ class EmulatedKernel:
                                    + res.stderr[:4000])
             lib = self._libs[key] = ctypes.CDLL(so)
             lib.h2o_launch.restype = ctypes.c_int
+            lib.threadgroup_bytes = _threadgroup_bytes(so)
         return lib
 
     def __call__(self, inputs, template=(), grid=(1, 1, 1), threadgroup=(1, 1, 1),
@@ -388,6 +410,9 @@ class EmulatedKernel:
             ptrs.append(o.ctypes.data)
         program = self._program(template, [x.dtype for x in inputs], list(output_dtypes))
         lib = self._library(program)
+        if lib.threadgroup_bytes is not None and lib.threadgroup_bytes > METAL_THREADGROUP_BYTES:
+            raise RuntimeError(f"{self.name}: {lib.threadgroup_bytes} bytes of threadgroup memory, "
+                               f"more than Metal's {METAL_THREADGROUP_BYTES}")
         argv = (ctypes.c_void_p * len(ptrs))(*ptrs)
         dims = [(ctypes.c_int * 3)(*v) for v in (grid, threadgroup)]
         failed = lib.h2o_launch(argv, dims[0], dims[1])

@@ -297,3 +297,25 @@ def test_metal_kernels_pass_their_first_use_check(metal):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert selfcheck.kernels_pass(device=mx.cpu)
+
+
+@needs_clang
+def test_emulator_enforces_metal_threadgroup_memory(metal):
+    """A kernel's threadgroup arrays are measured (every emulated launch is
+    checked against Metal's 32 KB); 9,000 floats do not fit."""
+    from mlx_h2o.kernels import source
+
+    def probe(n):
+        body = source.METAL_IDS + f"""
+  H2O_SHARED float buf[{n}];
+  buf[tid] = float(tid);
+  H2O_BARRIER();
+  out[tid] = buf[(tid + 1) % 32];
+"""
+        return metal_emu.EmulatedKernel(f"probe{n}", ["q"], ["out"], body, source.METAL_HEADER)
+
+    args = dict(inputs=[mx.zeros((4,))], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                output_shapes=[(32,)], output_dtypes=[mx.float32])
+    assert probe(1000)(**args)[0].tolist() == [float((t + 1) % 32) for t in range(32)]
+    with pytest.raises(RuntimeError, match="36000 bytes of threadgroup memory"):
+        probe(9000)(**args)
