@@ -23,6 +23,7 @@ import test_kv_write_gpu  # noqa: E402
 import test_quantized_kernel  # noqa: E402
 import test_queue_fold_gpu  # noqa: E402
 from mlx_h2o import H2OConfig, native  # noqa: E402
+from mlx_h2o.cache import group as cache_group  # noqa: E402
 from mlx_h2o.kernels import (build, decode, group_fold, h2o_step, kv_write,  # noqa: E402
                              quantized_gpu, queued)
 from mlx_h2o.kernels.testing import Case, check_case  # noqa: E402
@@ -71,6 +72,7 @@ def metal(monkeypatch):
     monkeypatch.setattr(group_fold, "gpu_backend", lambda: "metal")
     monkeypatch.setattr(group_fold, "group_fold_supported", lambda *a, **k: True)
     monkeypatch.setattr(test_group_fold_gpu, "group_fold_supported", lambda *a, **k: True)
+    monkeypatch.setattr(cache_group, "group_fold_supported", lambda *a, **k: True)
     for module in (kv_write, queued, quantized_gpu):
         monkeypatch.setattr(module, "gpu_backend", lambda: "metal")
     for module in (kv_write, queued):
@@ -319,3 +321,24 @@ def test_emulator_enforces_metal_threadgroup_memory(metal):
     assert probe(1000)(**args)[0].tolist() == [float((t + 1) % 32) for t in range(32)]
     with pytest.raises(RuntimeError, match="36000 bytes of threadgroup memory"):
         probe(9000)(**args)
+
+
+@needs_clang
+@pytest.mark.parametrize("quant", [None, (8, 64)])
+def test_metal_group_fold_in_grouped_caches(metal, quant):
+    """Three H2O caches of different sizes grouped on the Metal group fold vs
+    the same caches stepped per layer on the policy ops, over 70 decode
+    tokens with evictions (test_group_fold_gpu's check): same kept positions,
+    scores within summation order."""
+    test_group_fold_gpu.test_grouped_caches_match_per_layer_on_gpu(quant)
+
+
+@needs_clang
+@pytest.mark.parametrize("quant", [None, (4, 32)])
+def test_metal_kv_write_in_grouped_caches(metal, monkeypatch, quant):
+    """Grouped caches whose evicting steps write K/V through the Metal write
+    kernel vs the same caches writing with put_along_axis (quantized: with
+    MLX's GPU quantize formula, which the kernel mirrors): same kept
+    positions and stored K/V."""
+    monkeypatch.setattr(mx, "quantize", gpu_quantize)
+    test_group_fold_gpu.test_fused_write_matches_scatters_on_gpu(quant)
