@@ -9,6 +9,7 @@ in its docstring.
 """
 
 import os
+import shutil
 import sys
 
 import mlx.core as mx
@@ -302,6 +303,8 @@ def test_metal_kernels_pass_their_first_use_check(metal):
 
 
 @needs_clang
+@pytest.mark.skipif(not (shutil.which("nm") or shutil.which("llvm-nm")),
+                    reason="no nm to measure threadgroup memory")
 def test_emulator_enforces_metal_threadgroup_memory(metal):
     """A kernel's threadgroup arrays are measured (every emulated launch is
     checked against Metal's 32 KB); 9,000 floats do not fit."""
