@@ -369,19 +369,20 @@ class EmulatedKernel:
             cxx = find_cxx()
             if not cxx:
                 raise RuntimeError("no clang++ to build the Metal emulation")
-            d = tempfile.mkdtemp(prefix="h2o_metal_emu_")
-            src, so = os.path.join(d, "k.cpp"), os.path.join(d, "k.so")
-            with open(src, "w") as f:
-                f.write(program)
-            res = subprocess.run([cxx, "-std=c++20", "-O1", "-shared", "-fPIC",
-                                  "-Wno-unknown-attributes", "-o", so, src],
-                                 capture_output=True, text=True)
-            if res.returncode:
-                raise RuntimeError(f"{self.name}: the emulated Metal kernel did not build:\n"
-                                   + res.stderr[:4000])
-            lib = self._libs[key] = ctypes.CDLL(so)
-            lib.h2o_launch.restype = ctypes.c_int
-            lib.threadgroup_bytes = _threadgroup_bytes(so)
+            with tempfile.TemporaryDirectory(prefix="h2o_metal_emu_") as d:
+                src, so = os.path.join(d, "k.cpp"), os.path.join(d, "k.so")
+                with open(src, "w") as f:
+                    f.write(program)
+                res = subprocess.run([cxx, "-std=c++20", "-O1", "-shared", "-fPIC",
+                                      "-Wno-unknown-attributes", "-o", so, src],
+                                     capture_output=True, text=True)
+                if res.returncode:
+                    raise RuntimeError(f"{self.name}: the emulated Metal kernel did not "
+                                       "build:\n" + res.stderr[:4000])
+                lib = ctypes.CDLL(so)  # mapped: the file may go with the directory
+                lib.h2o_launch.restype = ctypes.c_int
+                lib.threadgroup_bytes = _threadgroup_bytes(so)
+            self._libs[key] = lib
         return lib
 
     def __call__(self, inputs, template=(), grid=(1, 1, 1), threadgroup=(1, 1, 1),
