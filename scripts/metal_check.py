@@ -20,7 +20,7 @@ builtins take which types), code generation, and anything at run time.
     .venv/bin/python scripts/metal_check.py [--only SUBSTRING] [--dtypes float16,...]
         [--shape D,G,HK,L] [--dump FILE] [--cxx clang++]
 
-Exit 1 if any variant fails, 2 if no clang++ is found.
+Exit 1 if any variant fails, 2 if no clang++ (version >= 17) is found.
 """
 
 import argparse
@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import lru_cache
 from typing import List
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -147,12 +148,27 @@ def wrap(kernel: nv.Kernel, dtype: str, func: str) -> str:
             + f"}}  // namespace {func}\n")
 
 
+MIN_CLANG = 17  # __bf16 and _Float16 arithmetic on x86-64
+
+
+@lru_cache(maxsize=None)
 def find_cxx(preferred: str = "") -> str:
+    """A clang++ of at least MIN_CLANG (``preferred`` first), or ''."""
     for name in filter(None, (preferred, "clang++", "/opt/swift/usr/bin/clang++")):
         path = shutil.which(name) or (name if os.path.exists(name) else None)
-        if path:
+        if path and clang_major(path) >= MIN_CLANG:
             return path
     return ""
+
+
+def clang_major(cxx: str) -> int:
+    """clang's major version, 0 if ``cxx`` is not clang."""
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    except OSError:
+        return 0
+    m = re.search(r"clang version (\d+)", out)
+    return int(m[1]) if m else 0
 
 
 def check(cxx: str, programs: List[tuple]) -> List[tuple]:
@@ -191,7 +207,7 @@ def main() -> int:
     args = p.parse_args()
     cxx = find_cxx(args.cxx)
     if not cxx:
-        print("no clang++ found (pass --cxx)", file=sys.stderr)
+        print(f"no clang++ of version >= {MIN_CLANG} found (pass --cxx)", file=sys.stderr)
         return 2
     D, G, HK, L = (int(x) for x in args.shape.split(","))
     programs = []

@@ -18,7 +18,7 @@ import metal_check  # noqa: E402
 import nvrtc_check  # noqa: E402
 
 CXX = metal_check.find_cxx()
-needs_clang = pytest.mark.skipif(not CXX, reason="no clang++ to type-check Metal text")
+needs_clang = pytest.mark.skipif(not CXX, reason="no clang++ >= 17 for Metal text")
 
 
 @needs_clang

@@ -29,7 +29,8 @@ from mlx_h2o.kernels import (build, decode, group_fold, h2o_step, kv_write,  # n
                              quantized_gpu, queued)
 from mlx_h2o.kernels.testing import Case, check_case  # noqa: E402
 
-needs_clang = pytest.mark.skipif(not metal_emu.find_cxx(), reason="no clang++ for the emulator")
+needs_clang = pytest.mark.skipif(not metal_emu.find_cxx(),
+                                 reason="no clang++ >= 17 for the emulator")
 
 
 def _clear_kernels():
