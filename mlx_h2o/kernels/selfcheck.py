@@ -1,7 +1,8 @@
 """A first-use check of GPU kernels that never ran on their backend (Metal).
 
-The Metal twins share the CUDA kernels' body but were never compiled or run
-(docs/GPU.md, "Metal: not run"). Before the library uses them, one small
+The Metal twins share the CUDA kernels' body but were never built by
+Apple's compiler or run on an Apple GPU, only type-checked and run on a CPU
+emulator (docs/GPU.md, "Metal: not run"). Before the library uses them, one small
 decode attention, through pass 1 alone and through key splits + merge, is
 compared with the reference on the CPU; if it fails to build or disagrees,
 ``gpu_backend()`` reports no backend, the library warns once and stays on
