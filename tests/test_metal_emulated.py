@@ -25,6 +25,7 @@ import test_quantized_kernel  # noqa: E402
 import test_queue_fold_gpu  # noqa: E402
 from mlx_h2o import H2OConfig, native  # noqa: E402
 from mlx_h2o.cache import group as cache_group  # noqa: E402
+from mlx_h2o.cache import group_check  # noqa: E402
 from mlx_h2o.kernels import (build, decode, group_fold, h2o_step, kv_write,  # noqa: E402
                              quantized_gpu, queued)
 from mlx_h2o.kernels.testing import Case, check_case  # noqa: E402
@@ -346,3 +347,41 @@ def test_metal_kv_write_in_grouped_caches(metal, monkeypatch, quant):
     positions and stored K/V."""
     monkeypatch.setattr(mx, "quantize", gpu_quantize)
     test_group_fold_gpu.test_fused_write_matches_scatters_on_gpu(quant)
+
+
+@pytest.fixture
+def first_use(metal, monkeypatch):
+    """The group fold's first-use check armed, as on a Mac (cache/group_check.py)."""
+    monkeypatch.setattr(group_check, "device_backend", lambda: "metal")
+    monkeypatch.setattr(group_check, "_PASSED", {})
+    return group_check._PASSED
+
+
+@needs_clang
+def test_metal_group_fold_passes_its_first_use_check(first_use):
+    """Grouped caches on a Mac check the Metal group fold on their first
+    token: the emulated Metal text passes, without a warning."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        test_group_fold_gpu.test_grouped_caches_match_per_layer_on_gpu(None)
+    assert first_use == {"dense": True}
+
+
+@needs_clang
+def test_a_wrong_group_fold_is_caught_at_first_use(first_use, monkeypatch):
+    """A group fold whose victims are wrong fails the check: a warning, and
+    the groups stay on the reference, so the caches still match per-layer
+    ones token for token."""
+    real = group_fold.group_fold
+
+    def wrong(*args, **kwargs):
+        res = real(*args, **kwargs)
+        victims = [mx.where(v == 0, 1, 0).astype(v.dtype) for v in res.victims]
+        return res._replace(victims=victims)
+
+    monkeypatch.setattr(cache_group, "group_fold", wrong)
+    with pytest.warns(RuntimeWarning, match="group fold failed its first-use check"):
+        test_group_fold_gpu.test_grouped_caches_match_per_layer_on_gpu(None)
+    assert first_use == {"dense": False}

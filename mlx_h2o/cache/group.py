@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..kernels.group_fold import group_fold, group_fold_supported, layer_params, max_layers
+from . import group_check
 from .ops_step import evict_step
 
 
@@ -115,7 +116,7 @@ class StepGroup:
         queries = [it[1] for it in items]
         offsets = [c.offset for c in caches]
         if self._sig[2]:  # pending queries passed takes(): the signature is set
-            res = self._fold_kernel(caches, queries, offsets)
+            res = self._fold_checked(caches, queries, offsets)
         else:
             res = self._fold_reference(caches, queries, offsets)
         *self._meta, self._slot, self._victims = res
@@ -166,11 +167,26 @@ class StepGroup:
         if self.use_kernel is False:
             return False
         B, Hq, _, D = queries.shape
-        ok = group_fold_supported(queries.dtype, D, Hq, n_kv_heads, *_quant(kind))
+        ok = (group_fold_supported(queries.dtype, D, Hq, n_kv_heads, *_quant(kind))
+              and group_check.passed(kind))
         if self.use_kernel and not ok:
             raise ValueError("StepGroup(use_kernel=True): the group fold kernel does not "
                              f"run here for {queries.dtype} queries {queries.shape}")
         return ok and len(self.members) <= max_layers()
+
+    def _fold_checked(self, caches, queries, offsets):
+        """The kernel's fold; on Metal its first one is checked against the
+        reference (group_check), which serves from then on if it differed."""
+        kind = caches[0].kv.group_kind
+        if not group_check.needs_check(kind):
+            return self._fold_kernel(caches, queries, offsets)
+        res = group_check.checked_fold(
+            kind, caches[0].config.score,
+            lambda: self._fold_kernel(caches, queries, offsets),
+            lambda: self._fold_reference(caches, queries, offsets))
+        if not group_check.passed(kind):
+            self._sig = (*self._sig[:2], False)
+        return res
 
     def _fold_kernel(self, caches, queries, offsets):
         bits, group_size = _quant(caches[0].kv.group_kind)

@@ -1,0 +1,80 @@
+"""cache/group_check.py: when a group fold agrees with its reference (CPU).
+
+The check itself runs on a Mac's first group fold; tests/test_metal_emulated.py
+runs it on the emulated Metal kernel. Here: what counts as agreement.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_h2o.cache import group_check
+
+
+def fold(score, count, victims, positions=None):
+    """A fold's (positions, score, count, victim, victims): 2 layers of B=1,
+    Hk=2, 3 slots (rows of ``score`` are layer 0's, then layer 1's)."""
+    score = mx.array(np.array(score, np.float32))
+    count = mx.array(np.array(count, np.float32))
+    pos = mx.array(np.arange(score.size, dtype=np.int32).reshape(score.shape)
+                   if positions is None else np.array(positions, np.int32))
+    vs = [mx.array(np.array(v, np.int32).reshape(1, 2, 1, 1)) for v in victims]
+    return pos, score, count, mx.concatenate(vs, axis=0), vs
+
+
+def state():
+    """(score, count) of 2 layers x 2 heads x 3 slots; layer 1 head 0 holds a near tie."""
+    score = np.array([[[0.5, 0.2, 0.9], [0.7, 0.1, 0.4]],
+                      [[0.3, 0.3000001, 0.8], [0.6, 0.9, 0.2]]], np.float32)
+    count = np.ones_like(score)
+    return score, count
+
+
+def test_equal_folds_agree():
+    score, count = state()
+    want = fold(score, count, [[1, 1], [0, 2]])
+    assert group_check.differs("accumulated", want, want) is None
+
+
+def test_a_near_tie_may_pick_either_slot():
+    score, count = state()
+    want = fold(score, count, [[1, 1], [0, 2]])
+    got = fold(score, count, [[1, 1], [1, 2]])  # layer 1, head 0: 0.3 vs 0.3000001
+    assert group_check.differs("accumulated", got, want) is None
+
+
+@pytest.mark.parametrize("change,what", [
+    ("victim", "layer 0's victims differ"), ("positions", "positions differ"),
+    ("count", "counts differ"), ("score", "scores differ")])
+def test_real_differences_are_named(change, what):
+    score, count = state()
+    want = fold(score, count, [[1, 1], [0, 2]])
+    victims = [[2, 1], [0, 2]] if change == "victim" else [[1, 1], [0, 2]]
+    pos = np.arange(score.size).reshape(score.shape)
+    if change == "positions":
+        pos[0, 0, 0] = 99
+    got = fold(score * (1.01 if change == "score" else 1.0),
+               count + (change == "count"), victims, pos)
+    assert group_check.differs("accumulated", got, want) == what
+
+
+def test_normalized_mode_ranks_by_score_per_count():
+    """Under 'normalized' the tie is judged on score / count: 0.3 / 1 against
+    0.6 / 2 is a tie, against 0.6 / 1 it is not."""
+    score, count = state()
+    score[1, 0, 1], count[1, 0, 1] = 0.6, 2.0
+    want = fold(score, count, [[1, 1], [0, 2]])
+    got = fold(score, count, [[1, 1], [1, 2]])
+    assert group_check.differs("normalized", got, want) is None
+    count[1, 0, 1] = 1.0
+    want, got = fold(score, count, [[1, 1], [0, 2]]), fold(score, count, [[1, 1], [1, 2]])
+    assert group_check.differs("normalized", got, want) == "layer 1's victims differ"
+
+
+def test_off_metal_nothing_is_checked(monkeypatch):
+    monkeypatch.setattr(group_check, "_PASSED", {})
+    for backend in (None, "cuda"):
+        monkeypatch.setattr(group_check, "device_backend", lambda b=backend: b)
+        assert not group_check.needs_check(("dense",)) and group_check.passed(("dense",))
+    monkeypatch.setattr(group_check, "device_backend", lambda: "metal")
+    assert group_check.needs_check(("dense",))
