@@ -25,7 +25,7 @@ import test_quantized_kernel  # noqa: E402
 import test_queue_fold_gpu  # noqa: E402
 from mlx_h2o import H2OConfig, native  # noqa: E402
 from mlx_h2o.cache import group as cache_group  # noqa: E402
-from mlx_h2o.cache import group_check  # noqa: E402
+from mlx_h2o.cache import first_use as first_use_check  # noqa: E402
 from mlx_h2o.kernels import (build, decode, group_fold, h2o_step, kv_write,  # noqa: E402
                              quantized_gpu, queued)
 from mlx_h2o.kernels.testing import Case, check_case  # noqa: E402
@@ -351,10 +351,10 @@ def test_metal_kv_write_in_grouped_caches(metal, monkeypatch, quant):
 
 @pytest.fixture
 def first_use(metal, monkeypatch):
-    """The group fold's first-use check armed, as on a Mac (cache/group_check.py)."""
-    monkeypatch.setattr(group_check, "device_backend", lambda: "metal")
-    monkeypatch.setattr(group_check, "_PASSED", {})
-    return group_check._PASSED
+    """The folds' first-use checks armed, as on a Mac (cache/first_use.py)."""
+    monkeypatch.setattr(first_use_check, "device_backend", lambda: "metal")
+    monkeypatch.setattr(first_use_check, "_PASSED", {})
+    return first_use_check._PASSED
 
 
 @needs_clang
@@ -366,7 +366,8 @@ def test_metal_group_fold_passes_its_first_use_check(first_use):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         test_group_fold_gpu.test_grouped_caches_match_per_layer_on_gpu(None)
-    assert first_use == {"dense": True}
+    # The caches fill through queued folds first: both families were checked.
+    assert first_use == {"queue fold": True, "group fold dense": True}
 
 
 @needs_clang
@@ -382,6 +383,49 @@ def test_a_wrong_group_fold_is_caught_at_first_use(first_use, monkeypatch):
         return res._replace(victims=victims)
 
     monkeypatch.setattr(cache_group, "group_fold", wrong)
-    with pytest.warns(RuntimeWarning, match="group fold failed its first-use check"):
+    with pytest.warns(RuntimeWarning, match="group fold dense failed its first-use check"):
         test_group_fold_gpu.test_grouped_caches_match_per_layer_on_gpu(None)
-    assert first_use == {"dense": False}
+    assert first_use == {"queue fold": True, "group fold dense": False}
+
+
+@needs_clang
+def test_metal_queue_fold_passes_its_first_use_check(first_use):
+    """H2O caches below their budget fold queued scores with the Metal queue
+    fold; its first fold is checked against the ops fold and passes
+    (test_queue_fold_gpu's cache check: 300 steps, then eviction)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        test_queue_fold_gpu.test_cache_kernel_fold_equals_ops_fold("accumulated")
+    assert first_use == {"queue fold": True}
+
+
+@needs_clang
+def test_a_wrong_queue_fold_is_caught_at_first_use(first_use, monkeypatch):
+    """A queue fold that adds too much fails the check: a warning, the ops
+    fold from then on, and the cache ends as an ops-fold cache does."""
+    import numpy as np
+
+    from mlx_h2o import H2OKVCache
+    from mlx_h2o.cache import deferred
+
+    real = deferred.queue_fold
+    monkeypatch.setattr(deferred, "queue_fold",
+                        lambda *a, **k: tuple(x * 1.5 for x in real(*a, **k)))
+    cfg = H2OConfig(max_size=64, sink_size=2, heavy_budget=20)
+    caches = [H2OKVCache(cfg), H2OKVCache(cfg)]
+    caches[1].fold_queue_on_gpu = False
+    rngs = [np.random.default_rng(2) for _ in caches]
+    with pytest.warns(RuntimeWarning, match="queue fold failed its first-use check"):
+        for L in [10] + [1] * 80:
+            for c, rng in zip(caches, rngs):
+                q, k, v = (mx.array(rng.standard_normal((1, h, L, 64)).astype(np.float32))
+                           for h in (8, 2, 2))
+                keys, values = c.update_and_fetch(k, v)
+                c.h2o_attention(q, keys, values, scale=0.125, mask=c.make_mask(L))
+    a, b = caches
+    assert first_use == {"queue fold": False} and not a._queue_kernel
+    assert a.evicted == b.evicted > 0
+    np.testing.assert_array_equal(np.array(a.positions), np.array(b.positions))
+    np.testing.assert_allclose(np.array(a.score), np.array(b.score), rtol=1e-6)

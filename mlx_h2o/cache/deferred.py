@@ -15,10 +15,12 @@ from typing import List, NamedTuple, Optional, Tuple
 import mlx.core as mx
 
 from ..kernels import queue_fold, queue_fold_supported
+from . import first_use
 from .storage import DenseKV
 
 # Score modes whose fold is a plain sum over queries (EMA modes are not).
 DEFERRABLE = ("accumulated", "normalized")
+QUEUE_FOLD = "queue fold"  # its kernel's family for the Metal first-use check
 # float32 logits of one batched fold at most (64 MiB); longer caches fold sooner.
 MAX_LOGITS = 1 << 24
 
@@ -161,8 +163,9 @@ class DeferredScores:
     def _deferred_attention(self, queries, keys, values, scale):
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
         if not self._queue.items:  # decided once per fold, not per step
-            self._queue_kernel = self.fold_queue_on_gpu and queue_fold_supported(
-                queries, keys, queued=self._queue.steps)  # the kernel takes a full queue
+            self._queue_kernel = (self.fold_queue_on_gpu and first_use.passed(QUEUE_FOLD)
+                                  and queue_fold_supported(  # the kernel takes a full queue
+                                      queries, keys, queued=self._queue.steps))
             self._queue.start(queries, self._n,
                               None if self._queue_kernel else self._fold_width(self._n))
         due = self._queue.push(queries, self._n, self.offset - 1, scale)
@@ -183,17 +186,29 @@ class DeferredScores:
         # Checked again: a read of the metadata can fold under another default
         # device than the first push saw (e.g. a CPU stream); the ops fold runs there.
         if self._queue_kernel and queue_fold_supported(items[0].queries, keys, len(items)):
-            self._score, self._count = queue_fold(
-                queued_queries(items), keys, [it.n for it in items], items[0].scale,
-                self._score, self._count)
+            def kernel():
+                return queue_fold(queued_queries(items), keys, [it.n for it in items],
+                                  items[0].scale, self._score, self._count)
+            if first_use.needs_check(QUEUE_FOLD):  # Metal's first: against the ops
+                self._score, self._count = first_use.checked(
+                    QUEUE_FOLD, kernel, lambda: self._ops_fold(items, n),
+                    first_use.queue_differs)
+                self._queue_kernel = first_use.passed(QUEUE_FOLD)
+            else:
+                self._score, self._count = kernel()
             return
+        self._score, self._count = self._ops_fold(items, n)
+
+    def _ops_fold(self, items, n):
+        """The queue's fold in mx ops: the new (score, count)."""
         w = self._fold_width(n)
         step, seen = batch_fold(items, self.kv.dense_keys(w))
         if w == self._score.shape[-1]:
-            self._score, self._count = self._score + step, self._count + seen
-        else:
-            self._score[..., :w] = self._score[..., :w] + step
-            self._count[..., :w] = self._count[..., :w] + seen
+            return self._score + step, self._count + seen
+        score, count = mx.array(self._score), mx.array(self._count)  # new arrays
+        score[..., :w] = score[..., :w] + step
+        count[..., :w] = count[..., :w] + seen
+        return score, count
 
     def _fold_width(self, n: int) -> int:
         """Slots a fold of the queue reads: ``n`` rounded up to ``config.step``

@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..kernels.group_fold import group_fold, group_fold_supported, layer_params, max_layers
-from . import group_check
+from . import first_use
 from .ops_step import evict_step
 
 
@@ -168,7 +168,7 @@ class StepGroup:
             return False
         B, Hq, _, D = queries.shape
         ok = (group_fold_supported(queries.dtype, D, Hq, n_kv_heads, *_quant(kind))
-              and group_check.passed(kind))
+              and first_use.passed(f"group fold {kind[0]}"))
         if self.use_kernel and not ok:
             raise ValueError("StepGroup(use_kernel=True): the group fold kernel does not "
                              f"run here for {queries.dtype} queries {queries.shape}")
@@ -176,15 +176,16 @@ class StepGroup:
 
     def _fold_checked(self, caches, queries, offsets):
         """The kernel's fold; on Metal its first one is checked against the
-        reference (group_check), which serves from then on if it differed."""
-        kind = caches[0].kv.group_kind
-        if not group_check.needs_check(kind):
+        reference (cache/first_use.py), which serves from then on if it differed."""
+        family = f"group fold {caches[0].kv.group_kind[0]}"
+        if not first_use.needs_check(family):
             return self._fold_kernel(caches, queries, offsets)
-        res = group_check.checked_fold(
-            kind, caches[0].config.score,
-            lambda: self._fold_kernel(caches, queries, offsets),
-            lambda: self._fold_reference(caches, queries, offsets))
-        if not group_check.passed(kind):
+        mode = caches[0].config.score
+        res = first_use.checked(
+            family, lambda: self._fold_kernel(caches, queries, offsets),
+            lambda: self._fold_reference(caches, queries, offsets),
+            lambda got, want: first_use.group_differs(mode, got, want))
+        if not first_use.passed(family):
             self._sig = (*self._sig[:2], False)
         return res
 

@@ -1,13 +1,15 @@
-"""The group fold's first use on Metal, checked on its first real token.
+"""Score-fold kernels on Metal, checked on their first real use.
 
 The Metal kernels were never run on an Apple GPU (docs/GPU.md, "Metal: not
 run"). kernels/selfcheck.py checks the attention kernels before any kernel
-runs; the group fold, a full cache's one launch a token, is checked here on
-the first token a group folds with it: the kernel's result against the
-per-layer policy ops on the same state. If the kernel fails or disagrees
-beyond near ties, a warning says so, that token takes the reference's
-result and every group stays on the reference (the same decisions,
-slower). CUDA's kernels ran on GPUs here and are not checked.
+runs; the folds the caches run most are checked here, each on its first
+real call: the group fold (a full cache's one launch a token) against the
+per-layer policy ops, the queue fold (queued decode queries below the
+budget) against the ops fold, on the same state. If a kernel fails or
+disagrees (beyond near ties for victims), a warning says so, that call
+takes the reference's result and the caches stay on the reference for that
+family (the same decisions, slower). CUDA's kernels ran on GPUs here and
+are not checked.
 """
 
 import warnings
@@ -24,36 +26,35 @@ SCORE_RTOL = 1e-4
 # Two victims whose eviction scores are this close are a near tie, either is right.
 TIE_RTOL = 1e-5
 
-_PASSED = {}  # group kind ("dense" / "quantized") -> whether its kernel passed
+_PASSED = {}  # family, e.g. "group fold dense" -> whether its kernel passed
 
 
-def needs_check(kind) -> bool:
-    """Whether the next kernel fold of this kind must be checked first."""
-    return device_backend() == "metal" and kind[0] not in _PASSED
+def needs_check(family: str) -> bool:
+    """Whether the next kernel call of ``family`` must be checked first."""
+    return device_backend() == "metal" and family not in _PASSED
 
 
-def passed(kind) -> bool:
-    """False once this kind's kernel failed its check (then: the reference)."""
-    return _PASSED.get(kind[0], True)
+def passed(family: str) -> bool:
+    """False once ``family``'s kernel failed its check (then: the reference)."""
+    return _PASSED.get(family, True)
 
 
-def checked_fold(kind, mode: str, kernel: Callable, reference: Callable):
-    """``kernel()``'s fold if it matches ``reference()``'s, else the
-    reference's; the outcome is kept for ``kind``. Both return (positions,
-    score, count, victim, victims) as StepGroup's folds do."""
+def checked(family: str, kernel: Callable, reference: Callable, differs: Callable):
+    """``kernel()``'s result if ``differs(got, want)`` finds none against
+    ``reference()``'s, else the reference's; the outcome is kept for ``family``."""
     want = reference()
     mx.eval(want)
     try:
         got = kernel()
         mx.eval(got)
-        bad = differs(mode, got, want)
+        bad = differs(got, want)
     except Exception as e:  # a kernel that does not build or launch
         bad = f"{type(e).__name__}: {e}"
-    _PASSED[kind[0]] = bad is None
+    _PASSED[family] = bad is None
     if bad is not None:
         warnings.warn(
-            f"mlx-h2o: the Metal group fold failed its first-use check ({bad}); "
-            "H2O groups use the per-layer policy ops (same decisions, slower)",
+            f"mlx-h2o: the Metal {family} failed its first-use check ({bad}); "
+            "the caches use the policy ops for it (same decisions, slower)",
             RuntimeWarning,
             stacklevel=4,
         )
@@ -61,7 +62,17 @@ def checked_fold(kind, mode: str, kernel: Callable, reference: Callable):
     return got
 
 
-def differs(mode: str, got, want) -> Optional[str]:
+def queue_differs(got, want) -> Optional[str]:
+    """None if two queue folds' (score, count) agree (counts exactly, scores
+    within summation order); else what differed."""
+    if not np.array_equal(np.array(got[1]), np.array(want[1])):
+        return "counts differ"
+    if not np.allclose(np.array(got[0]), np.array(want[0]), rtol=SCORE_RTOL, atol=1e-6):
+        return "scores differ"
+    return None
+
+
+def group_differs(mode: str, got, want) -> Optional[str]:
     """None if the folds agree: equal positions and counts, scores within
     summation order, equal victims or near-tied ones; else what differed."""
     pos, score, count = (np.array(a) for a in want[:3])
