@@ -108,3 +108,18 @@ def test_a_failed_check_warns_and_returns_the_reference(monkeypatch):
                                  first_use.queue_differs) is want
     assert first_use.checked("other", lambda: want, lambda: want,
                              first_use.queue_differs) is want and first_use.passed("other")
+
+
+def test_no_reference_means_no_verdict_yet(monkeypatch):
+    """Where the reference cannot be evaluated, the kernel's result serves
+    unchecked and the next call checks again."""
+    monkeypatch.setattr(first_use, "_PASSED", {})
+    monkeypatch.setattr(first_use, "device_backend", lambda: "metal")
+    got = (mx.array([2.0]), mx.array([1.0]))
+
+    def no_reference():
+        raise ValueError("cannot evaluate here")
+
+    assert first_use.checked("queue fold", lambda: got, no_reference,
+                             first_use.queue_differs) is got
+    assert first_use.needs_check("queue fold")

@@ -42,8 +42,11 @@ def passed(family: str) -> bool:
 def checked(family: str, kernel: Callable, reference: Callable, differs: Callable):
     """``kernel()``'s result if ``differs(got, want)`` finds none against
     ``reference()``'s, else the reference's; the outcome is kept for ``family``."""
-    want = reference()
-    mx.eval(want)
+    try:
+        want = reference()
+        mx.eval(want)
+    except Exception:  # nothing to check against here (e.g. inside a transform)
+        return kernel()  # unchecked: the next call tries again
     try:
         got = kernel()
         mx.eval(got)
