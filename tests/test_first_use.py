@@ -123,3 +123,23 @@ def test_no_reference_means_no_verdict_yet(monkeypatch):
     assert first_use.checked("queue fold", lambda: got, no_reference,
                              first_use.queue_differs) is got
     assert first_use.needs_check("queue fold")
+
+
+def test_fused_steps_agree_on_outputs_within_their_dtype():
+    from mlx_h2o.kernels import H2OStep
+
+    score, count = state()
+    want_fold = fold(score, count, [[1, 1], [0, 2]])
+    # One layer of B=2 (the two rows), victims repeated along D=4 as the kernel's.
+    victim = mx.broadcast_to(want_fold[3], (2, 2, 1, 4))
+    out = mx.array(np.linspace(-1, 1, 2 * 4 * 8, dtype=np.float32).reshape(2, 4, 1, 8))
+
+    def step(o, v=victim):
+        return H2OStep(o.astype(mx.float16), *want_fold[:3], v, None, None)
+
+    want = step(out)
+    assert first_use.step_differs("accumulated", step(out * (1 + 2.0 ** -12)), want) is None
+    assert first_use.step_differs("accumulated", step(out * 1.01), want) == "outputs differ"
+    moved = mx.broadcast_to(mx.array([[[[2]], [[1]]], [[[0]], [[2]]]], mx.int32), (2, 2, 1, 4))
+    assert (first_use.step_differs("accumulated", step(out, moved), want)
+            == "layer 0's victims differ")

@@ -429,3 +429,61 @@ def test_a_wrong_queue_fold_is_caught_at_first_use(first_use, monkeypatch):
     assert a.evicted == b.evicted > 0
     np.testing.assert_array_equal(np.array(a.positions), np.array(b.positions))
     np.testing.assert_allclose(np.array(a.score), np.array(b.score), rtol=1e-6)
+
+
+def _drive_window_caches(caches, steps=60, seed=4):
+    """Decode through sliding-window H2O caches (not groupable: per-layer
+    steps), one prompt then single tokens; returns the outputs."""
+    import numpy as np
+
+    rngs = [np.random.default_rng(seed) for _ in caches]
+    outs = [[] for _ in caches]
+    for L in [12] + [1] * steps:
+        for c, rng, o in zip(caches, rngs, outs):
+            q, k, v = (mx.array(rng.standard_normal((1, h, L, 64)).astype(np.float32))
+                       .astype(mx.float16) for h in (8, 2, 2))
+            keys, values = c.update_and_fetch(k, v)
+            o.append(c.h2o_attention(q, keys, values, scale=0.125, mask=c.make_mask(L)))
+    return outs
+
+
+@needs_clang
+@pytest.mark.parametrize("wrong", [False, True])
+def test_metal_fused_step_first_use_check(first_use, monkeypatch, wrong):
+    """A sliding-window cache decodes with the Metal fused step; its first
+    call is checked against the op-by-op step and passes (no warning). A
+    fused step with wrong victims is caught: a warning, and the cache ends
+    exactly as an op-by-op cache does."""
+    import warnings
+
+    import numpy as np
+
+    from mlx_h2o import H2OKVCache
+    from mlx_h2o.cache import steps as steps_module
+
+    monkeypatch.setattr(steps_module, "runs_on_gpu", lambda: True)
+    monkeypatch.setattr(steps_module, "h2o_step_supported", lambda *a, **k: True)
+    if wrong:
+        real = h2o_step.StepPlan.__call__
+
+        def wrong_call(self, *a, **k):
+            res = real(self, *a, **k)
+            return res._replace(victim=mx.zeros_like(res.victim))  # always slot 0
+
+        monkeypatch.setattr(h2o_step.StepPlan, "__call__", wrong_call)
+    cfg = H2OConfig(max_size=32, sink_size=2, recent_budget=6, score="ema")
+    fused, ops = H2OKVCache(cfg, window_size=20), H2OKVCache(cfg, window_size=20)
+    ops.use_fused_step, ops.fold_on_gpu = False, False
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        a, b = _drive_window_caches([fused, ops])
+    msgs = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
+    assert first_use.get("fused step") is (not wrong)
+    assert len(msgs) == int(wrong) and all("fused step failed" in m for m in msgs)
+    assert fused.evicted == ops.evicted > 0
+    n = fused.size()
+    np.testing.assert_array_equal(np.array(fused.positions[..., :n]),
+                                  np.array(ops.positions[..., :n]))
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(np.array(x.astype(mx.float32)),
+                                   np.array(y.astype(mx.float32)), rtol=2e-2, atol=2e-2)

@@ -75,6 +75,18 @@ def queue_differs(got, want) -> Optional[str]:
     return None
 
 
+def step_differs(mode: str, got, want) -> Optional[str]:
+    """None if two fused steps (H2OStep: the kernel's, the op-by-op one's)
+    agree: outputs within their dtype's rounding, the metadata as for a
+    group fold; else what differed."""
+    out, ref = (np.array(x.out.astype(mx.float32)) for x in (got, want))
+    eps = {mx.float16: 2.0 ** -10, mx.bfloat16: 2.0 ** -7}.get(got.out.dtype, 1e-5)
+    if not np.allclose(out, ref, rtol=eps, atol=eps * np.abs(ref).max(initial=1.0)):
+        return "outputs differ"
+    return group_differs(mode, *((x.positions, x.score, x.count, None, [x.victim[..., :1]])
+                                 for x in (got, want)))
+
+
 def group_differs(mode: str, got, want) -> Optional[str]:
     """None if the folds agree: equal positions and counts, scores within
     summation order, equal victims or near-tied ones; else what differed."""

@@ -154,7 +154,7 @@ class H2OKVCache(Slots, DeferredScores, DecodeSteps):
             self._leave_group()
         plan = self._fused_plan(queries, keys, values, scale, mask, sinks)
         if plan is not None:
-            return self._fused_step(plan, queries, keys, values, mask, sinks)
+            return self._fused_step(plan, queries, keys, values, scale, mask, sinks)
         if self._steps_compiled(queries, mask, sinks):
             return self._compiled_step(queries, keys, values, scale)
         if self._fills_compiled(queries, mask, sinks):

@@ -8,10 +8,15 @@ token for a group of layers (cache/group.py); on the CPU, one compiled call
 
 import mlx.core as mx
 
-from ..kernels import H2OFold, h2o_fold_step, h2o_step_supported, make_plan, runs_on_gpu
-from .ops_step import compiled_fill, compiled_step, zone_arrays
+from ..kernels import (H2OFold, H2OStep, h2o_fold_step, h2o_step_supported, make_plan,
+                       runs_on_gpu)
+from . import first_use
+from .ops_step import compiled_fill, compiled_step, evict_step, zone_arrays
 from .quantized_storage import QuantizedKV
 from .storage import DenseKV
+
+
+FUSED_STEP = "fused step"  # its kernel's family for the Metal first-use check
 
 
 class DecodeSteps:
@@ -61,7 +66,8 @@ class DecodeSteps:
         return self.fold_on_gpu and runs_on_gpu()
 
     def _may_fuse(self) -> bool:
-        return self.use_fused_step and type(self.kv) is DenseKV and runs_on_gpu()
+        return (self.use_fused_step and type(self.kv) is DenseKV and runs_on_gpu()
+                and first_use.passed(FUSED_STEP))
 
     def _fused_plan(self, queries, keys, values, scale, mask, sinks):
         """The fused step's StepPlan for this call, or None (op-by-op path)."""
@@ -91,18 +97,43 @@ class DecodeSteps:
             pinned=cfg.pinned, window_size=self.window_size,
         )
 
-    def _fused_step(self, plan, queries, keys, values, mask, sinks):
+    def _fused_step(self, plan, queries, keys, values, scale, mask, sinks):
         slot, n = self._slot, self._n
         if mask is None and self.fused_whole_buffers:
             # Whole buffers + a valid count: shapes only change when the buffers
             # grow, so the plan's compiled launch replays on every other step.
             keys, values = self.kv.keys, self.kv.values
-        res = plan(
-            queries, keys, values, self._positions, self._score, self._count,
-            slot, n - 1 if slot is None else None, self.offset, mask, sinks, valid=n,
-        )
+
+        def launch():
+            return plan(
+                queries, keys, values, self._positions, self._score, self._count,
+                slot, n - 1 if slot is None else None, self.offset, mask, sinks, valid=n,
+            )
+
+        if mask is None and sinks is None and first_use.needs_check(FUSED_STEP):
+            res = first_use.checked(  # Metal's first: against the op-by-op step
+                FUSED_STEP, launch,
+                lambda: self._step_reference(queries, keys, values, scale, slot, n),
+                lambda got, want: first_use.step_differs(self.config.score, got, want))
+        else:
+            res = launch()
         self._take_step(res)
         return res.out
+
+    def _step_reference(self, queries, keys, values, scale, slot, n):
+        """The fused step's result by the ops (ops_step.evict_step) over the
+        first ``n`` slots, as an H2OStep without logits: metadata padded back
+        to the buffers' length, the victim repeated along D as the kernel's."""
+        if slot is None:  # appending: the token sits in slot n - 1
+            slot = mx.full((*keys.shape[:2], 1), n - 1, mx.int32)
+        meta = [a[..., :n] for a in (self._positions, self._score, self._count)]
+        out, *meta, victim = evict_step(
+            self.config, float(scale), queries, keys[..., :n, :], values[..., :n, :], *meta,
+            slot, self.offset, window_size=self.window_size)
+        full = [mx.concatenate([m, a[..., n:]], axis=2)
+                for m, a in zip(meta, (self._positions, self._score, self._count))]
+        victim = mx.broadcast_to(victim, (*victim.shape[:3], keys.shape[3]))
+        return H2OStep(out, *full, victim, None, None)
 
     def _fold_step(self, out, logits, lse):
         cfg, slot, n = self.config, self._slot, self._n
