@@ -431,9 +431,9 @@ def test_a_wrong_queue_fold_is_caught_at_first_use(first_use, monkeypatch):
     np.testing.assert_allclose(np.array(a.score), np.array(b.score), rtol=1e-6)
 
 
-def _drive_window_caches(caches, steps=60, seed=4):
-    """Decode through sliding-window H2O caches (not groupable: per-layer
-    steps), one prompt then single tokens; returns the outputs."""
+def _drive(caches, steps=60, seed=4):
+    """Decode through ungrouped H2O caches (per-layer steps) with the same
+    float16 inputs, one prompt then single tokens; each cache's outputs."""
     import numpy as np
 
     rngs = [np.random.default_rng(seed) for _ in caches]
@@ -476,13 +476,57 @@ def test_metal_fused_step_first_use_check(first_use, monkeypatch, wrong):
     ops.use_fused_step, ops.fold_on_gpu = False, False
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        a, b = _drive_window_caches([fused, ops])
+        a, b = _drive([fused, ops])
     msgs = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
     assert first_use.get("fused step") is (not wrong)
     assert len(msgs) == int(wrong) and all("fused step failed" in m for m in msgs)
     assert fused.evicted == ops.evicted > 0
     n = fused.size()
     np.testing.assert_array_equal(np.array(fused.positions[..., :n]),
+                                  np.array(ops.positions[..., :n]))
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(np.array(x.astype(mx.float32)),
+                                   np.array(y.astype(mx.float32)), rtol=2e-2, atol=2e-2)
+
+
+@needs_clang
+@pytest.mark.parametrize("wrong", [False, True])
+def test_metal_fold_step_first_use_check(first_use, monkeypatch, wrong):
+    """An 8-bit H2O cache (per-layer steps: attention by the ops, then the
+    fold-only kernel) on Metal's fold: its first call is checked against
+    ops_step.fold_step and passes; a fold with wrong victims is caught, and
+    the cache ends exactly as an op-path cache does."""
+    import warnings
+
+    import numpy as np
+
+    from mlx_h2o.cache import QuantConfig, quantized_cache_type
+    from mlx_h2o.cache import h2o as h2o_module
+    from mlx_h2o.cache import steps as steps_module
+
+    monkeypatch.setattr(steps_module, "runs_on_gpu", lambda: True)
+    monkeypatch.setattr(h2o_module, "fold_step_supported", lambda *a, **k: True)
+    if wrong:
+        real = steps_module.h2o_fold_step
+
+        def wrong_fold(*a, **k):
+            res = real(*a, **k)
+            return res._replace(victim=mx.zeros_like(res.victim))  # always slot 0
+
+        monkeypatch.setattr(steps_module, "h2o_fold_step", wrong_fold)
+    cls = quantized_cache_type(QuantConfig(8, 64))
+    cfg = H2OConfig(max_size=32, sink_size=2, recent_budget=6, score="ema")
+    kernel, ops = cls(cfg), cls(cfg)
+    ops.fold_on_gpu = False
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        a, b = _drive([kernel, ops])
+    msgs = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
+    assert first_use.get("fold-only step") is (not wrong)
+    assert len(msgs) == int(wrong) and all("fold-only step failed" in m for m in msgs)
+    assert kernel.evicted == ops.evicted > 0
+    n = kernel.size()
+    np.testing.assert_array_equal(np.array(kernel.positions[..., :n]),
                                   np.array(ops.positions[..., :n]))
     for x, y in zip(a, b):
         np.testing.assert_allclose(np.array(x.astype(mx.float32)),

@@ -83,6 +83,11 @@ def step_differs(mode: str, got, want) -> Optional[str]:
     eps = {mx.float16: 2.0 ** -10, mx.bfloat16: 2.0 ** -7}.get(got.out.dtype, 1e-5)
     if not np.allclose(out, ref, rtol=eps, atol=eps * np.abs(ref).max(initial=1.0)):
         return "outputs differ"
+    return fold_differs(mode, got, want)
+
+
+def fold_differs(mode: str, got, want) -> Optional[str]:
+    """None if two fold-only steps (H2OFold) agree as group folds do."""
     return group_differs(mode, *((x.positions, x.score, x.count, None, [x.victim[..., :1]])
                                  for x in (got, want)))
 

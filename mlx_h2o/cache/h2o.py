@@ -163,7 +163,7 @@ class H2OKVCache(Slots, DeferredScores, DecodeSteps):
         if self._meta_pending and self.window_size is not None:
             self._write_pending_meta()  # the window mask reads the new token's position
         out, logits, lse = self._attention(queries, keys, values, scale, self._mask(L, mask), sinks)
-        if L == 1 and self.fold_on_gpu and fold_step_supported(logits, lse, self.positions):
+        if L == 1 and self._may_fold() and fold_step_supported(logits, lse, self.positions):
             return self._fold_step(out, logits, lse)  # the kernel writes the metadata
         if self._meta_pending:
             self._write_pending_meta()

@@ -55,10 +55,33 @@ def evict_step(config: H2OConfig, scale: float, queries, keys, values, positions
     p, s, c = _fresh_slot(positions, score, count, slot, offset - 1)
     seen = None if window_size is None else in_window(p, offset, window_size)[:, :, None]
     out, logits, lse = attend(queries, keys, values, scale=scale, mask=seen)
-    s, c = policy.fold_scores(config.score, s, c, logits, lse, config.ema_alpha)
-    pri = slot_priority(config, p, s, c, offset + 1, window_size, zones)
-    victim = policy.select_victim(pri, p).astype(mx.int32)[..., None, None]
-    return out, p, s, c, victim
+    return (out, *fold_and_pick(config, logits, lse, p, s, c, offset, zones, window_size))
+
+
+def fold_and_pick(config: H2OConfig, logits, lse, positions, score, count, offset, zones=None,
+                  window_size=None):
+    """The step's attention folded into slots whose new token is already in
+    (``positions`` / ``score`` / ``count``, N slots), and the next victim at
+    ``offset + 1``: (positions, score, count, victim (B, Hk, 1, 1) int32)."""
+    s, c = policy.fold_scores(config.score, score, count, logits, lse, config.ema_alpha)
+    pri = slot_priority(config, positions, s, c, offset + 1, window_size, zones)
+    victim = policy.select_victim(pri, positions).astype(mx.int32)[..., None, None]
+    return positions, s, c, victim
+
+
+def fold_step(config: H2OConfig, logits, lse, positions, score, count, slot, offset,
+              window_size=None):
+    """What kernels.h2o_fold_step computes, in ops: the token in ``slot``
+    (position ``offset - 1``, fresh scores), its attention (``logits`` /
+    ``lse`` over the first N slots) folded in, the next victim; metadata of
+    the buffers' length, slots >= N as they were."""
+    N = logits.shape[-1]
+    head = _fresh_slot(positions[..., :N], score[..., :N], count[..., :N], slot, offset - 1)
+    p, s, c, victim = fold_and_pick(config, logits, lse, *head, offset,
+                                    window_size=window_size)
+    full = [mx.concatenate([x, a[..., N:]], axis=2) for x, a in zip((p, s, c),
+                                                                    (positions, score, count))]
+    return (*full, victim)
 
 
 def _fresh_slot(positions, score, count, slot, position):

@@ -11,12 +11,14 @@ import mlx.core as mx
 from ..kernels import (H2OFold, H2OStep, h2o_fold_step, h2o_step_supported, make_plan,
                        runs_on_gpu)
 from . import first_use
-from .ops_step import compiled_fill, compiled_step, evict_step, zone_arrays
+from .ops_step import compiled_fill, compiled_step, evict_step, fold_step, zone_arrays
 from .quantized_storage import QuantizedKV
 from .storage import DenseKV
 
 
-FUSED_STEP = "fused step"  # its kernel's family for the Metal first-use check
+# Kernel families of the Metal first-use check (cache/first_use.py).
+FUSED_STEP = "fused step"
+FOLD_STEP = "fold-only step"
 
 
 class DecodeSteps:
@@ -63,7 +65,7 @@ class DecodeSteps:
 
     # --- fused GPU decode step ---------------------------------------------------
     def _may_fold(self) -> bool:
-        return self.fold_on_gpu and runs_on_gpu()
+        return self.fold_on_gpu and runs_on_gpu() and first_use.passed(FOLD_STEP)
 
     def _may_fuse(self) -> bool:
         return (self.use_fused_step and type(self.kv) is DenseKV and runs_on_gpu()
@@ -137,12 +139,27 @@ class DecodeSteps:
 
     def _fold_step(self, out, logits, lse):
         cfg, slot, n = self.config, self._slot, self._n
-        res = h2o_fold_step(
-            logits, lse, self.positions, self.score, self.count, slot=slot,
-            append_slot=n - 1 if slot is None else None, offset=self.offset,
-            mode=cfg.score, alpha=cfg.ema_alpha, sink_size=cfg.sink_size,
-            recent_budget=cfg.recent_budget, pinned=cfg.pinned, window_size=self.window_size,
-        )
+        positions, score, count = self.positions, self.score, self.count
+
+        def launch():
+            return h2o_fold_step(
+                logits, lse, positions, score, count, slot=slot,
+                append_slot=n - 1 if slot is None else None, offset=self.offset,
+                mode=cfg.score, alpha=cfg.ema_alpha, sink_size=cfg.sink_size,
+                recent_budget=cfg.recent_budget, pinned=cfg.pinned,
+                window_size=self.window_size,
+            )
+
+        def reference():  # the token's slot: its victim slot, or slot n - 1 when appending
+            at = mx.full((*positions.shape[:2], 1), n - 1, mx.int32) if slot is None else slot
+            return H2OFold(*fold_step(cfg, logits, lse, positions, score, count, at,
+                                      self.offset, self.window_size))
+
+        if first_use.needs_check(FOLD_STEP):  # Metal's first: against the ops
+            res = first_use.checked(FOLD_STEP, launch, reference,
+                                    lambda got, want: first_use.fold_differs(cfg.score, got, want))
+        else:
+            res = launch()
         self._take_step(res)
         return self._with_metadata(out)
 
