@@ -11,8 +11,10 @@ in its docstring.
 import os
 import shutil
 import sys
+import warnings
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
@@ -221,8 +223,6 @@ def gpu_quantize(x, group_size=64, bits=8):
     mirror those): the group's max starts at 0 and ties round away from
     zero; MLX's CPU quantize starts at -inf and rounds ties to even, so on
     the CPU it is not the reference for these kernels. float32 numpy."""
-    import numpy as np
-
     a = np.array(x.astype(mx.float32)).reshape(-1, group_size)
     nbins = np.float32((1 << bits) - 1)
 
@@ -263,8 +263,6 @@ def test_metal_packed_write(metal, monkeypatch):
 def test_gpu_quantize_is_mx_quantize_away_from_ties():
     """The stand-in oracle agrees with MLX's quantize wherever no value sits
     on a rounding tie (random float32 data: none do)."""
-    import numpy as np
-
     x = mx.array(np.random.default_rng(0).standard_normal((3, 4, 256)).astype(np.float32))
     for bits, gs in ((4, 32), (8, 64), (2, 128)):
         for got, want in zip(gpu_quantize(x, gs, bits), mx.quantize(x, group_size=gs, bits=bits)):
@@ -295,8 +293,6 @@ def test_metal_quantized_attention(metal, N, bits):
 def test_metal_kernels_pass_their_first_use_check(metal):
     """The check a Mac runs before using the Metal kernels (kernels/selfcheck.py)
     passes on the Metal text, without a warning."""
-    import warnings
-
     from mlx_h2o.kernels import selfcheck
 
     with warnings.catch_warnings():
@@ -361,8 +357,6 @@ def first_use(metal, monkeypatch):
 def test_metal_group_fold_passes_its_first_use_check(first_use):
     """Grouped caches on a Mac check the Metal group fold on their first
     token: the emulated Metal text passes, without a warning."""
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         test_group_fold_gpu.test_grouped_caches_match_per_layer_on_gpu(None)
@@ -393,8 +387,6 @@ def test_metal_queue_fold_passes_its_first_use_check(first_use):
     """H2O caches below their budget fold queued scores with the Metal queue
     fold; its first fold is checked against the ops fold and passes
     (test_queue_fold_gpu's cache check: 300 steps, then eviction)."""
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         test_queue_fold_gpu.test_cache_kernel_fold_equals_ops_fold("accumulated")
@@ -405,8 +397,6 @@ def test_metal_queue_fold_passes_its_first_use_check(first_use):
 def test_a_wrong_queue_fold_is_caught_at_first_use(first_use, monkeypatch):
     """A queue fold that adds too much fails the check: a warning, the ops
     fold from then on, and the cache ends as an ops-fold cache does."""
-    import numpy as np
-
     from mlx_h2o import H2OKVCache
     from mlx_h2o.cache import deferred
 
@@ -434,8 +424,6 @@ def test_a_wrong_queue_fold_is_caught_at_first_use(first_use, monkeypatch):
 def _drive(caches, steps=60, seed=4):
     """Decode through ungrouped H2O caches (per-layer steps) with the same
     float16 inputs, one prompt then single tokens; each cache's outputs."""
-    import numpy as np
-
     rngs = [np.random.default_rng(seed) for _ in caches]
     outs = [[] for _ in caches]
     for L in [12] + [1] * steps:
@@ -447,6 +435,25 @@ def _drive(caches, steps=60, seed=4):
     return outs
 
 
+def _assert_checked_like_ops(kernel, ops, checks, family, wrong):
+    """Drive a cache on the emulated ``family`` kernel and one on the ops: one
+    first-use verdict (a warning only if the kernel is ``wrong``), and the
+    same evictions, kept positions and outputs either way."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        a, b = _drive([kernel, ops])
+    msgs = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
+    assert checks.get(family) is (not wrong)
+    assert len(msgs) == int(wrong) and all(f"{family} failed" in m for m in msgs)
+    assert kernel.evicted == ops.evicted > 0
+    n = kernel.size()
+    np.testing.assert_array_equal(np.array(kernel.positions[..., :n]),
+                                  np.array(ops.positions[..., :n]))
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(np.array(x.astype(mx.float32)),
+                                   np.array(y.astype(mx.float32)), rtol=2e-2, atol=2e-2)
+
+
 @needs_clang
 @pytest.mark.parametrize("wrong", [False, True])
 def test_metal_fused_step_first_use_check(first_use, monkeypatch, wrong):
@@ -454,10 +461,6 @@ def test_metal_fused_step_first_use_check(first_use, monkeypatch, wrong):
     call is checked against the op-by-op step and passes (no warning). A
     fused step with wrong victims is caught: a warning, and the cache ends
     exactly as an op-by-op cache does."""
-    import warnings
-
-    import numpy as np
-
     from mlx_h2o import H2OKVCache
     from mlx_h2o.cache import steps as steps_module
 
@@ -474,19 +477,7 @@ def test_metal_fused_step_first_use_check(first_use, monkeypatch, wrong):
     cfg = H2OConfig(max_size=32, sink_size=2, recent_budget=6, score="ema")
     fused, ops = H2OKVCache(cfg, window_size=20), H2OKVCache(cfg, window_size=20)
     ops.use_fused_step, ops.fold_on_gpu = False, False
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        a, b = _drive([fused, ops])
-    msgs = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
-    assert first_use.get("fused step") is (not wrong)
-    assert len(msgs) == int(wrong) and all("fused step failed" in m for m in msgs)
-    assert fused.evicted == ops.evicted > 0
-    n = fused.size()
-    np.testing.assert_array_equal(np.array(fused.positions[..., :n]),
-                                  np.array(ops.positions[..., :n]))
-    for x, y in zip(a, b):
-        np.testing.assert_allclose(np.array(x.astype(mx.float32)),
-                                   np.array(y.astype(mx.float32)), rtol=2e-2, atol=2e-2)
+    _assert_checked_like_ops(fused, ops, first_use, "fused step", wrong)
 
 
 @needs_clang
@@ -496,10 +487,6 @@ def test_metal_fold_step_first_use_check(first_use, monkeypatch, wrong):
     fold-only kernel) on Metal's fold: its first call is checked against
     ops_step.fold_step and passes; a fold with wrong victims is caught, and
     the cache ends exactly as an op-path cache does."""
-    import warnings
-
-    import numpy as np
-
     from mlx_h2o.cache import QuantConfig, quantized_cache_type
     from mlx_h2o.cache import h2o as h2o_module
     from mlx_h2o.cache import steps as steps_module
@@ -518,16 +505,4 @@ def test_metal_fold_step_first_use_check(first_use, monkeypatch, wrong):
     cfg = H2OConfig(max_size=32, sink_size=2, recent_budget=6, score="ema")
     kernel, ops = cls(cfg), cls(cfg)
     ops.fold_on_gpu = False
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        a, b = _drive([kernel, ops])
-    msgs = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
-    assert first_use.get("fold-only step") is (not wrong)
-    assert len(msgs) == int(wrong) and all("fold-only step failed" in m for m in msgs)
-    assert kernel.evicted == ops.evicted > 0
-    n = kernel.size()
-    np.testing.assert_array_equal(np.array(kernel.positions[..., :n]),
-                                  np.array(ops.positions[..., :n]))
-    for x, y in zip(a, b):
-        np.testing.assert_allclose(np.array(x.astype(mx.float32)),
-                                   np.array(y.astype(mx.float32)), rtol=2e-2, atol=2e-2)
+    _assert_checked_like_ops(kernel, ops, first_use, "fold-only step", wrong)
