@@ -168,7 +168,7 @@ class StepGroup:
             return False
         B, Hq, _, D = queries.shape
         ok = (group_fold_supported(queries.dtype, D, Hq, n_kv_heads, *_quant(kind))
-              and first_use.passed(f"group fold {kind[0]}"))
+              and first_use.passed(_family(kind)))
         if self.use_kernel and not ok:
             raise ValueError("StepGroup(use_kernel=True): the group fold kernel does not "
                              f"run here for {queries.dtype} queries {queries.shape}")
@@ -177,7 +177,7 @@ class StepGroup:
     def _fold_checked(self, caches, queries, offsets):
         """The kernel's fold; on Metal its first one is checked against the
         reference (cache/first_use.py), which serves from then on if it differed."""
-        family = f"group fold {caches[0].kv.group_kind[0]}"
+        family = _family(caches[0].kv.group_kind)
         if not first_use.needs_check(family):
             return self._fold_kernel(caches, queries, offsets)
         mode = caches[0].config.score
@@ -233,6 +233,11 @@ def fold_layer(config, q, keys, n, scale, offset, pos, score, count, slot, width
     victim = mx.broadcast_to(victim, (*victim.shape[:3], width or keys.shape[3]))
     tail = [a[..., n:] for a in (pos, score, count)]
     return (*(mx.concatenate([x, t], axis=2) for x, t in zip((p, s, k), tail)), victim)
+
+
+def _family(kind) -> str:
+    """The group fold's family for the Metal first-use check, by storage kind."""
+    return f"group fold {kind[0]}"
 
 
 def _quant(kind):

@@ -77,11 +77,14 @@ def fold_step(config: H2OConfig, logits, lse, positions, score, count, slot, off
     the buffers' length, slots >= N as they were."""
     N = logits.shape[-1]
     head = _fresh_slot(positions[..., :N], score[..., :N], count[..., :N], slot, offset - 1)
-    p, s, c, victim = fold_and_pick(config, logits, lse, *head, offset,
-                                    window_size=window_size)
-    full = [mx.concatenate([x, a[..., N:]], axis=2) for x, a in zip((p, s, c),
-                                                                    (positions, score, count))]
-    return (*full, victim)
+    *meta, victim = fold_and_pick(config, logits, lse, *head, offset, window_size=window_size)
+    return (*with_tail(meta, (positions, score, count)), victim)
+
+
+def with_tail(head, full):
+    """Metadata of the first N slots (``head``) padded back to the buffers'
+    length: slots >= N as they are in ``full``."""
+    return [mx.concatenate([h, f[..., h.shape[-1]:]], axis=-1) for h, f in zip(head, full)]
 
 
 def _fresh_slot(positions, score, count, slot, position):

@@ -11,7 +11,8 @@ import mlx.core as mx
 from ..kernels import (H2OFold, H2OStep, h2o_fold_step, h2o_step_supported, make_plan,
                        runs_on_gpu)
 from . import first_use
-from .ops_step import compiled_fill, compiled_step, evict_step, fold_step, zone_arrays
+from .ops_step import (compiled_fill, compiled_step, evict_step, fold_step, with_tail,
+                       zone_arrays)
 from .quantized_storage import QuantizedKV
 from .storage import DenseKV
 
@@ -19,6 +20,12 @@ from .storage import DenseKV
 # Kernel families of the Metal first-use check (cache/first_use.py).
 FUSED_STEP = "fused step"
 FOLD_STEP = "fold-only step"
+
+
+def _token_slot(slot, positions, n: int):
+    """Where this step's token went: its victim slot, or slot n - 1 when
+    appending (``slot`` None), as a (B, Hk, 1) index."""
+    return mx.full((*positions.shape[:2], 1), n - 1, mx.int32) if slot is None else slot
 
 
 class DecodeSteps:
@@ -126,16 +133,13 @@ class DecodeSteps:
         """The fused step's result by the ops (ops_step.evict_step) over the
         first ``n`` slots, as an H2OStep without logits: metadata padded back
         to the buffers' length, the victim repeated along D as the kernel's."""
-        if slot is None:  # appending: the token sits in slot n - 1
-            slot = mx.full((*keys.shape[:2], 1), n - 1, mx.int32)
-        meta = [a[..., :n] for a in (self._positions, self._score, self._count)]
+        full = (self._positions, self._score, self._count)
         out, *meta, victim = evict_step(
-            self.config, float(scale), queries, keys[..., :n, :], values[..., :n, :], *meta,
-            slot, self.offset, window_size=self.window_size)
-        full = [mx.concatenate([m, a[..., n:]], axis=2)
-                for m, a in zip(meta, (self._positions, self._score, self._count))]
+            self.config, float(scale), queries, keys[..., :n, :], values[..., :n, :],
+            *(a[..., :n] for a in full), _token_slot(slot, full[0], n), self.offset,
+            window_size=self.window_size)
         victim = mx.broadcast_to(victim, (*victim.shape[:3], keys.shape[3]))
-        return H2OStep(out, *full, victim, None, None)
+        return H2OStep(out, *with_tail(meta, full), victim, None, None)
 
     def _fold_step(self, out, logits, lse):
         cfg, slot, n = self.config, self._slot, self._n
@@ -150,10 +154,10 @@ class DecodeSteps:
                 window_size=self.window_size,
             )
 
-        def reference():  # the token's slot: its victim slot, or slot n - 1 when appending
-            at = mx.full((*positions.shape[:2], 1), n - 1, mx.int32) if slot is None else slot
-            return H2OFold(*fold_step(cfg, logits, lse, positions, score, count, at,
-                                      self.offset, self.window_size))
+        def reference():
+            return H2OFold(*fold_step(cfg, logits, lse, positions, score, count,
+                                      _token_slot(slot, positions, n), self.offset,
+                                      self.window_size))
 
         if first_use.needs_check(FOLD_STEP):  # Metal's first: against the ops
             res = first_use.checked(FOLD_STEP, launch, reference,
