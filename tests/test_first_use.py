@@ -143,3 +143,94 @@ def test_fused_steps_agree_on_outputs_within_their_dtype():
     moved = mx.broadcast_to(mx.array([[[[2]], [[1]]], [[[0]], [[2]]]], mx.int32), (2, 2, 1, 4))
     assert (first_use.step_differs("accumulated", step(out, moved), want)
             == "layer 0's victims differ")
+
+
+def test_attentions_agree_within_rounding_and_name_what_differs():
+    rng = np.random.default_rng(0)
+    out = mx.array(rng.standard_normal((1, 4, 1, 8)).astype(np.float32)).astype(mx.float16)
+    logits = rng.standard_normal((1, 4, 1, 5)).astype(np.float32)
+    logits[..., 2] = -np.inf  # a masked key
+    lse = mx.array(rng.standard_normal((1, 4, 1)).astype(np.float32))
+    want = (out, mx.array(logits), lse)
+    near = (out, mx.array(logits * (1 + 1e-6)), lse)
+    assert first_use.attention_differs(near, want) is None
+    assert first_use.attention_differs((out * 1.01, *want[1:]), want) == "out differs"
+    assert (first_use.attention_differs((out, mx.array(logits * 1.001), lse), want)
+            == "logits differs")
+    unmasked = np.where(np.isfinite(logits), logits, 0.0)
+    assert (first_use.attention_differs((out, mx.array(unmasked), lse), want)
+            == "logits differs (shape or masked entries)")
+
+
+def test_written_marks_each_rows_slot():
+    index = mx.array(np.array([[2, 0]], np.int32).reshape(1, 2, 1, 1))
+    rows = first_use.written(mx.broadcast_to(index, (1, 2, 1, 4)), 3)
+    assert rows.shape == (1, 2, 3, 1)
+    assert rows[..., 0].tolist() == [[[False, False, True], [True, False, False]]]
+
+
+def test_dense_writes_must_be_equal():
+    a = mx.arange(12, dtype=mx.float16).reshape(1, 1, 3, 4)
+    assert first_use.dense_write_differs((a, a), (a, a)) is None
+    b = a + mx.array(np.eye(3, 4, dtype=np.float16)[None, None]) * 0.5
+    assert first_use.dense_write_differs((a, b), (a, a)) == "written values differ"
+
+
+def triple(codes, scales, biases, bits=8):
+    """A (words, scales, biases) triple of mx arrays from numpy codes."""
+    per = 32 // bits
+    shifted = codes.astype(np.uint64).reshape(*codes.shape[:-1], -1, per) << (
+        np.arange(per, dtype=np.uint64) * bits)
+    words = shifted.sum(-1).astype(np.uint32)
+    return (mx.array(words), mx.array(scales).astype(mx.float16),
+            mx.array(biases).astype(mx.float16))
+
+
+def quantized_state(seed=0, D=64, gs=32, cap=4):
+    """Stored K and V triples of B=1, Hk=2, ``cap`` slots, 8-bit codes in
+    1..254 (room for one step either way), and the slots written (2, 0)."""
+    rng = np.random.default_rng(seed)
+    codes = [rng.integers(1, 255, (1, 2, cap, D)) for _ in range(2)]
+    scales = [rng.uniform(0.01, 0.1, (1, 2, cap, D // gs)).astype(np.float32) for _ in range(2)]
+    biases = [rng.uniform(-1, 1, (1, 2, cap, D // gs)).astype(np.float32) for _ in range(2)]
+    index = mx.array(np.array([2, 0], np.int32).reshape(1, 2, 1, 1))
+    return codes, scales, biases, first_use.written(index, cap)
+
+
+def write_verdict(codes, scales, biases, rows, change, dense=None):
+    """quantized_write_differs of the state with ``change(key_codes)`` applied
+    to a copy of the keys' codes."""
+    want = [triple(c, s, b) for c, s, b in zip(codes, scales, biases)]
+    changed = change(codes[0].copy())
+    got = [triple(changed, scales[0], biases[0]), want[1]]
+    return first_use.quantized_write_differs(8, 32, rows, got, want, dense=dense)
+
+
+def test_quantized_writes_agree_up_to_ties_in_the_written_slots():
+    codes, scales, biases, rows = quantized_state()
+
+    def bump(slot, head, n, by=1):
+        def change(c):
+            c[0, head, slot, :n] += by
+            return c
+        return change
+
+    assert write_verdict(codes, scales, biases, rows, lambda c: c) is None
+    assert write_verdict(codes, scales, biases, rows, bump(2, 0, 3)) is None  # ties
+    assert write_verdict(codes, scales, biases, rows, bump(2, 0, 1, by=2)) == "written keys differ"
+    assert (write_verdict(codes, scales, biases, rows, bump(2, 0, 40))
+            == "written keys differ (more than ties)")
+    assert (write_verdict(codes, scales, biases, rows, bump(1, 0, 1))
+            == "keys outside the written slots differ")
+
+
+def test_a_packed_writes_dense_keys_must_match_its_triples():
+    codes, scales, biases, rows = quantized_state()
+    deq = [first_use._dequantized(tuple(np.array(a.astype(mx.float32)) if a.dtype != mx.uint32
+                                        else np.array(a) for a in triple(c, s, b)), 8, 32)
+           for c, s, b in zip(codes, scales, biases)]
+    dense = [mx.array(d).astype(mx.float16) for d in deq]
+    assert write_verdict(codes, scales, biases, rows, lambda c: c, dense=dense) is None
+    off = [dense[0] * 1.01, dense[1]]
+    assert (write_verdict(codes, scales, biases, rows, lambda c: c, dense=off)
+            == "dense keys differ from the written ones")

@@ -335,19 +335,24 @@ def test_metal_group_fold_in_grouped_caches(metal, quant):
 
 
 @needs_clang
-@pytest.mark.parametrize("quant", [None, (4, 32)])
-def test_metal_kv_write_in_grouped_caches(metal, monkeypatch, quant):
+@pytest.mark.parametrize("quant,family", [(None, "K/V write dense"),
+                                          ((4, 32), "K/V write packed")])
+def test_metal_kv_write_in_grouped_caches(first_use, monkeypatch, quant, family):
     """Grouped caches whose evicting steps write K/V through the Metal write
     kernel vs the same caches writing with put_along_axis (quantized: with
     MLX's GPU quantize formula, which the kernel mirrors): same kept
-    positions and stored K/V."""
+    positions and stored K/V. The write's first call, checked as on a Mac,
+    passes without a warning."""
     monkeypatch.setattr(mx, "quantize", gpu_quantize)
-    test_group_fold_gpu.test_fused_write_matches_scatters_on_gpu(quant)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        test_group_fold_gpu.test_fused_write_matches_scatters_on_gpu(quant)
+    assert first_use[family] is True
 
 
 @pytest.fixture
 def first_use(metal, monkeypatch):
-    """The folds' first-use checks armed, as on a Mac (cache/first_use.py)."""
+    """The kernels' first-use checks armed, as on a Mac (cache/first_use.py)."""
     monkeypatch.setattr(first_use_check, "device_backend", lambda: "metal")
     monkeypatch.setattr(first_use_check, "_PASSED", {})
     return first_use_check._PASSED
@@ -506,3 +511,72 @@ def test_metal_fold_step_first_use_check(first_use, monkeypatch, wrong):
     kernel, ops = cls(cfg), cls(cfg)
     ops.fold_on_gpu = False
     _assert_checked_like_ops(kernel, ops, first_use, "fold-only step", wrong)
+
+
+def _quantized_pair(monkeypatch, bits=4):
+    """Two ungrouped ``bits``-bit H2O caches: the first folds on the GPU
+    (fold-only kernel, then its victim written by the K/V write kernel), the
+    second on the ops (mx.quantize and scatters)."""
+    from mlx_h2o.cache import QuantConfig, quantized_cache_type
+    from mlx_h2o.cache import h2o as h2o_module
+    from mlx_h2o.cache import steps as steps_module
+
+    monkeypatch.setattr(steps_module, "runs_on_gpu", lambda: True)
+    monkeypatch.setattr(h2o_module, "fold_step_supported", lambda *a, **k: True)
+    cls = quantized_cache_type(QuantConfig(bits, 32))
+    cfg = H2OConfig(max_size=32, sink_size=2, recent_budget=6, score="ema")
+    kernel, ops = cls(cfg), cls(cfg)
+    ops.fold_on_gpu = False
+    return kernel, ops
+
+
+@needs_clang
+@pytest.mark.parametrize("wrong", [False, True])
+def test_metal_quantized_write_first_use_check(first_use, monkeypatch, wrong):
+    """A 4-bit cache's evicting steps write the token with the Metal write
+    kernel; its first write is checked against mx.quantize and scatters (here
+    MLX's CPU quantize: ties may round apart) and passes. A write into the
+    wrong slot is caught: a warning, scatters from then on, and the cache
+    ends as an op-path cache does."""
+    if wrong:
+        real = kv_write.WritePlan.__call__
+
+        def wrong_call(self, kn, vn, idx, *stored):
+            return real(self, kn, vn, (idx + 1) % stored[0].shape[2], *stored)
+
+        monkeypatch.setattr(kv_write.WritePlan, "__call__", wrong_call)
+    kernel, ops = _quantized_pair(monkeypatch)
+    _assert_checked_like_ops(kernel, ops, first_use, "K/V write quantized", wrong)
+    assert first_use.get("fold-only step") is True
+
+
+@needs_clang
+@pytest.mark.parametrize("wrong", [False, True])
+def test_metal_quantized_attention_first_use_check(first_use, monkeypatch, wrong):
+    """A 4-bit cache attends with the Metal fused quantized kernel (the GPU
+    device's path); its first decode call is checked against dequantized K/V
+    and the reference and passes. A kernel with a wrong output is caught, and
+    the cache ends as one on the reference does."""
+    from mlx_h2o.kernels import quantized
+
+    kernel, ops = _quantized_pair(monkeypatch)
+    for c in (kernel, ops):  # attention then the ops fold, step by step (no CPU compile)
+        c.fold_on_gpu = c.compile_ops_step = False
+    monkeypatch.setattr(quantized, "on_gpu", lambda: True)
+    if wrong:
+        real = quantized_gpu.fused_quantized_attention
+
+        def wrong_attention(*a, **k):
+            out, logits, lse = real(*a, **k)
+            return out * 1.1, logits, lse
+
+        monkeypatch.setattr(quantized_gpu, "fused_quantized_attention", wrong_attention)
+
+    def reference(queries, keys, values, *, scale, mask, sinks, kv=ops.kv):
+        keys, values = kv._as_triples(keys, values)
+        return quantized.quantized_attention(
+            queries, keys, values, scale=scale, bits=kv.bits, group_size=kv.group_size,
+            mask=mask, sinks=sinks, use_kernel=False)
+
+    ops.kv.attention = reference
+    _assert_checked_like_ops(kernel, ops, first_use, "quantized attention", wrong)

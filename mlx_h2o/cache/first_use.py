@@ -3,13 +3,15 @@
 The Metal kernels were never run on an Apple GPU (docs/GPU.md, "Metal: not
 run"). kernels/selfcheck.py checks the attention kernels before any kernel
 runs; the folds the caches run most are checked here, each on its first
-real call: the group fold (a full cache's one launch a token) against the
-per-layer policy ops, the queue fold (queued decode queries below the
-budget) against the ops fold, on the same state. If a kernel fails or
-disagrees (beyond near ties for victims), a warning says so, that call
-takes the reference's result and the caches stay on the reference for that
-family (the same decisions, slower). CUDA's kernels ran on GPUs here and
-are not checked.
+real call against the op path on the same state: the group fold (a full
+cache's one launch a token) against the per-layer policy ops, the queue
+fold (queued decode queries below the budget) against the ops fold, the
+fused and fold-only steps against ``ops_step``, the K/V writes against
+``mx.quantize`` and scatters, the quantized attention against dequantized
+K/V and the reference. If a kernel fails or disagrees (beyond near ties),
+a warning says so, that call takes the reference's result and the caches
+stay on the reference for that family (the same decisions, slower). CUDA's
+kernels ran on GPUs here and are not checked.
 """
 
 import warnings
@@ -25,6 +27,13 @@ from ..kernels.build import device_backend
 SCORE_RTOL = 1e-4
 # Two victims whose eviction scores are this close are a near tie, either is right.
 TIE_RTOL = 1e-5
+# A quantized token's values may sit one step apart where x / scale is a tie
+# (MLX's CPU quantize rounds ties to even, its GPU one and the kernels away
+# from zero): allowed for this fraction of the written values at most.
+MAX_TIED = 0.1
+# float32 logits and lse: only the summation order differs (~1e-6).
+ATTENTION_RTOL = 1e-4
+EPS = {mx.float16: 2.0 ** -10, mx.bfloat16: 2.0 ** -7, mx.float32: 1e-5}
 
 _PASSED = {}  # family, e.g. "group fold dense" -> whether its kernel passed
 
@@ -113,3 +122,78 @@ def group_differs(mode: str, got, want) -> Optional[str]:
         if not np.all((g == w) | tie):
             return f"layer {layer}'s victims differ"
     return None
+
+
+def attention_differs(got, want) -> Optional[str]:
+    """None if two (out, logits, lse) agree: the same masked (-inf) entries,
+    out within its dtype's rounding and the float32 ones within summation
+    order (relative norms); else what differed."""
+    eps = EPS.get(got[0].dtype, 1e-5)
+    for name, g, w, tol in zip(("out", "logits", "lse"), got, want,
+                               (eps, ATTENTION_RTOL, ATTENTION_RTOL)):
+        g, w = (np.array(x.astype(mx.float32), np.float64) for x in (g, w))
+        fin = np.isfinite(w)
+        if g.shape != w.shape or not np.array_equal(np.isfinite(g), fin) or not np.array_equal(
+                g[~fin], w[~fin]):
+            return f"{name} differs (shape or masked entries)"
+        size = np.linalg.norm(w[fin])
+        if np.linalg.norm(g[fin] - w[fin]) > tol * max(size, 1e-30):
+            return f"{name} differs"
+    return None
+
+
+def written(index: mx.array, capacity: int) -> np.ndarray:
+    """(B, Hk, capacity, 1) bool: the slots a write's ``index`` (B, Hk, 1, W)
+    names in its first column."""
+    idx = np.array(index)[..., 0, 0]
+    rows = np.zeros(idx.shape + (capacity, 1), bool)
+    np.put_along_axis(rows, idx[..., None, None], True, axis=2)
+    return rows
+
+
+def dense_write_differs(got, want) -> Optional[str]:
+    """None if two dense K/V writes are equal bit for bit (a copy)."""
+    for name, g, w in zip(("keys", "values"), got, want):
+        if not np.array_equal(np.array(g.astype(mx.float32)), np.array(w.astype(mx.float32)),
+                              equal_nan=True):
+            return f"written {name} differ"
+    return None
+
+
+def quantized_write_differs(bits: int, group_size: int, rows: np.ndarray, got, want,
+                            dense=None) -> Optional[str]:
+    """None if two quantized writes agree; else what differed. ``got`` /
+    ``want``: (keys, values) triples after the write; ``rows``: the written
+    slots (``written``); ``dense``: the dense (keys, values) the kernel also
+    gave, to match its own triples. Slots not written must be equal bit for
+    bit; the written token within one quantization step of the reference,
+    off at most at ``MAX_TIED`` of its values (ties)."""
+    for i, (name, g, w) in enumerate(zip(("keys", "values"), got, want)):
+        gn, wn = ([np.array(a.astype(mx.float32)) if a.dtype != mx.uint32 else np.array(a)
+                   for a in t] for t in (g, w))
+        keep = ~rows[..., 0]
+        if not all(np.array_equal(a[keep], b[keep]) for a, b in zip(gn, wn)):
+            return f"{name} outside the written slots differ"
+        gv, wv = (_dequantized(t, bits, group_size) for t in (gn, wn))
+        step = np.abs(np.repeat(wn[1], group_size, axis=-1))
+        d = np.abs(gv - wv)[rows[..., 0]]
+        if not np.all(d <= 1.01 * step[rows[..., 0]] + 1e-6):
+            return f"written {name} differ"
+        if np.count_nonzero(d > 1e-6 * np.abs(wv[rows[..., 0]])) > MAX_TIED * d.size:
+            return f"written {name} differ (more than ties)"
+        if dense is not None:
+            x = np.array(dense[i].astype(mx.float32))
+            eps = EPS.get(dense[i].dtype, 1e-5)
+            if not np.allclose(x, gv, rtol=eps, atol=eps * np.abs(gv).max(initial=1.0)):
+                return f"dense {name} differ from the written ones"
+    return None
+
+
+def _dequantized(triple, bits: int, group_size: int) -> np.ndarray:
+    """float32 scale * code + bias of a numpy (codes, scales, biases) triple."""
+    words, scales, biases = triple
+    shifts = np.arange(0, 32, bits, dtype=np.uint32)
+    codes = (words[..., None] >> shifts) & np.uint32((1 << bits) - 1)
+    codes = codes.reshape(*words.shape[:-1], -1).astype(np.float32)
+    return (codes * np.repeat(scales, group_size, axis=-1)
+            + np.repeat(biases, group_size, axis=-1))

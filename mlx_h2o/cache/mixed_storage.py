@@ -9,9 +9,8 @@ it represents the same values it was written with.
 
 import mlx.core as mx
 
-from ..kernels.quantized import quantized_attention
 from ..kernels.quantized_reference import dequantize_segments
-from .quantized_storage import QuantizedKV, Triple, convert
+from .quantized_storage import QuantizedKV, Triple, attend, convert
 
 
 class MixedKV:
@@ -131,7 +130,7 @@ class MixedKV:
         return tuple(dequantize_segments(t, bits, gs, dtype) for t in (keys, values))
 
     def attention(self, queries, keys, values, *, scale, mask, sinks):
-        return quantized_attention(
+        return attend(
             queries,
             keys,
             values,

@@ -9,11 +9,32 @@ quantized once, when written.
 import mlx.core as mx
 
 from ..kernels.packed import pack, unpack
-from ..kernels.quantized import quantized_attention
+from ..kernels.quantized import quantized_attention, uses_kernel
 from ..kernels.quantized_reference import dequantize
-from .storage import WritePlans, resize_slots, take_slots
+from . import first_use
+from .storage import WritePlans, scattered, checked_launch, resize_slots, take_slots
 
 Triple = tuple[mx.array, mx.array, mx.array]
+
+# Kernel families of the Metal first-use check (cache/first_use.py).
+QUANTIZED_WRITE = "K/V write quantized"
+PACKED_WRITE = "K/V write packed"
+QUANTIZED_ATTENTION = "quantized attention"
+
+
+def attend(queries, keys, values, **kwargs):
+    """``quantized_attention``; on Metal, the fused kernel's first call is
+    checked against dequantized K/V and the reference (cache/first_use.py)."""
+    if not first_use.passed(QUANTIZED_ATTENTION):
+        return quantized_attention(queries, keys, values, use_kernel=False, **kwargs)
+    if first_use.needs_check(QUANTIZED_ATTENTION) and uses_kernel(queries, keys, values,
+                                                                  **kwargs):
+        return first_use.checked(
+            QUANTIZED_ATTENTION,
+            lambda: quantized_attention(queries, keys, values, use_kernel=True, **kwargs),
+            lambda: quantized_attention(queries, keys, values, use_kernel=False, **kwargs),
+            first_use.attention_differs)
+    return quantized_attention(queries, keys, values, **kwargs)
 
 
 def _unpack(w: mx.array, bits: int) -> mx.array:
@@ -102,10 +123,11 @@ class QuantizedKV:
             self._keys = self._values = None
         return self._packed
 
-    def _views(self):
+    def _views(self, packed=None):
         """The packed buffer's (keys, values) triples, as views."""
         D, dtype = self._layout
-        return unpack(self._packed, D, self.bits, self.group_size, dtype)
+        return unpack(self._packed if packed is None else packed, D, self.bits,
+                      self.group_size, dtype)
 
     def _unpack(self):
         if self._packed is None:
@@ -155,28 +177,52 @@ class QuantizedKV:
         next (a group step): on a GPU the write kernel keeps K/V packed for the
         group fold and also gives the dense K/V."""
         plan = None
-        if self.fused_write:
+        family = PACKED_WRITE if for_sdpa else QUANTIZED_WRITE
+        if self.fused_write and first_use.passed(family):
             plan = self._writes.get(keys, values, index, self.bits, self.group_size,
                                     dense_out=for_sdpa, packed=for_sdpa)
         if plan is not None and for_sdpa:
-            self._packed, kd, vd = plan(keys, values, index, self.group_keys)
+            stored = self.group_keys
+            self._packed, kd, vd = checked_launch(
+                family, lambda: tuple(plan(keys, values, index, stored)),
+                lambda: self._packed_ops(index, keys, values, stored),
+                lambda got, want: self._write_differs(index, got, want))
             self._dense = (self._packed, kd, vd)
         elif plan is not None:
-            res = plan(keys, values, index, *self.keys, *self.values)
+            stored = (*self.keys, *self.values)
+            res = checked_launch(
+                family, lambda: tuple(plan(keys, values, index, *stored)),
+                lambda: scattered(index, stored, (*self.quantize(keys),
+                                                   *self.quantize(values))),
+                lambda got, want: self._write_differs(index, got, want))
             self.keys, self.values = tuple(res[:3]), tuple(res[3:6])
         elif for_sdpa and self._packed is not None:
-            self._write_packed_ops(index, keys, values)
+            self._packed, kd, vd = self._packed_ops(index, keys, values, self._packed)
+            self._dense = (self._packed, kd, vd)
         else:
             self._put_index(index, self.quantize(keys), self.quantize(values))
 
-    def _write_packed_ops(self, index, keys, values):
+    def _packed_ops(self, index, keys, values, stored):
         """The write kernel's work by ops (``fused_write = False`` while the group
-        fold kernel keeps K/V packed): quantize, one scatter, dequantize."""
+        fold kernel keeps K/V packed): quantize, one scatter, dequantize.
+        Returns (packed buffer, dense keys, dense values)."""
         token = pack(self.quantize(keys), self.quantize(values))
-        self._packed = mx.put_along_axis(self._packed, index, token, axis=2)
-        kd, vd = (mx.dequantize(*t, group_size=self.group_size, bits=self.bits)
-                  for t in self._views())
-        self._dense = (self._packed, kd, vd)
+        packed = mx.put_along_axis(stored, index, token, axis=2)
+        return (packed, *(mx.dequantize(*t, group_size=self.group_size, bits=self.bits)
+                          for t in self._views(packed)))
+
+    def _write_differs(self, index, got, want):
+        """first_use's verdict on a write: ``got`` / ``want`` as the packed
+        write returns them (buffer, dense K, dense V) or the six triples' arrays."""
+        if len(got) == 3:
+            triples = [self._views(x[0]) for x in (got, want)]
+            dense = got[1:]
+        else:
+            triples = [(tuple(x[:3]), tuple(x[3:6])) for x in (got, want)]
+            dense = None
+        rows = first_use.written(index, triples[1][0][0].shape[2])
+        return first_use.quantized_write_differs(self.bits, self.group_size, rows,
+                                                 *triples, dense=dense)
 
     def put(self, slot: mx.array, keys: Triple, values: Triple):
         """Write already-quantized (B, Hk, 1, ·) triples into slot (B, Hk, 1)."""
@@ -226,7 +272,7 @@ class QuantizedKV:
 
     def attention(self, queries, keys, values, *, scale, mask, sinks):
         keys, values = self._as_triples(keys, values)
-        return quantized_attention(
+        return attend(
             queries,
             keys,
             values,

@@ -9,6 +9,10 @@ import mlx.core as mx
 
 from ..kernels import scaled_dot_product_attention_with_scores
 from ..kernels.kv_write import write_plan, write_supported
+from . import first_use
+
+# Kernel families of the Metal first-use check (cache/first_use.py).
+DENSE_WRITE = "K/V write dense"
 
 
 def resize_slots(old, n: int, shape, dtype):
@@ -43,6 +47,14 @@ class WritePlans:
                                     packed) if ok else None)
             self.sig = sig
         return self.plan
+
+
+def checked_launch(family: str, launch, reference, differs):
+    """``launch()``; on Metal, its first call is checked against
+    ``reference()`` first (cache/first_use.py)."""
+    if first_use.needs_check(family):
+        return first_use.checked(family, launch, reference, differs)
+    return launch()
 
 
 def put_slot(a, slot, value):
@@ -97,12 +109,17 @@ class DenseKV:
     def write_index(self, index: mx.array, keys: mx.array, values: mx.array,
                     for_sdpa: bool = False):
         """Write one token per row at ``index`` (B, Hk, 1, D), already broadcast."""
-        plan = self._writes.get(keys, values, index) if self.fused_write else None
-        if plan is not None:  # fused_write is off by default: no signature check
-            self.keys, self.values = plan(keys, values, index, self.keys, self.values)
+        plan = None
+        if self.fused_write and first_use.passed(DENSE_WRITE):  # off by default
+            plan = self._writes.get(keys, values, index)
+        if plan is None:  # the hot path of dense decode: two direct scatters
+            self.keys = mx.put_along_axis(self.keys, index, keys, axis=2)
+            self.values = mx.put_along_axis(self.values, index, values, axis=2)
             return
-        self.keys = mx.put_along_axis(self.keys, index, keys, axis=2)
-        self.values = mx.put_along_axis(self.values, index, values, axis=2)
+        stored = self.keys, self.values
+        self.keys, self.values = checked_launch(
+            DENSE_WRITE, lambda: tuple(plan(keys, values, index, *stored)),
+            lambda: scattered(index, stored, (keys, values)), first_use.dense_write_differs)
 
     def gather(self, slots: mx.array, n: int):
         self.keys = take_slots(self.keys, slots, n)
@@ -147,3 +164,9 @@ class DenseKV:
 
     def set_state(self, arrays):
         self.keys, self.values = arrays
+
+
+def scattered(index: mx.array, stored, new) -> tuple:
+    """Each stored array with its ``new`` counterpart written at ``index``
+    along axis 2 (``put_along_axis``)."""
+    return tuple(mx.put_along_axis(a, index, x, axis=2) for a, x in zip(stored, new))

@@ -24,12 +24,29 @@ from .quantized_reference import (
 MAX_DECODE_L = 8
 
 
-def _gpu_kernel():
+def _gpu_module():
     try:
-        from .quantized_gpu import fused_quantized_attention
+        from . import quantized_gpu
     except ImportError:  # the shared GPU kernel body is not in this build
         return None
-    return fused_quantized_attention
+    return quantized_gpu
+
+
+def on_gpu() -> bool:
+    """Whether work runs on the GPU device (the fused kernel's precondition)."""
+    return mx.default_device() == mx.gpu
+
+
+def uses_kernel(queries: mx.array, keys, values, *, bits=8, group_size: int = 64,
+                **_) -> bool:
+    """Whether ``quantized_attention(..., use_kernel=None)`` runs the fused GPU
+    kernel for these inputs (its other arguments are taken and ignored)."""
+    if not on_gpu() or queries.shape[2] > MAX_DECODE_L:
+        return False
+    module = _gpu_module()
+    keys, _ = as_segments(keys, bits)
+    values, _ = as_segments(values, bits)
+    return module is not None and module.applies(queries, keys, values, group_size)
 
 
 def quantized_attention(
@@ -52,14 +69,14 @@ def quantized_attention(
     """
     keys, kbits = as_segments(keys, bits)
     values, _ = as_segments(values, bits)
-    on_gpu = mx.default_device() == mx.gpu
-    if use_kernel is None and (not on_gpu or queries.shape[2] > MAX_DECODE_L):
+    gpu = on_gpu()
+    if use_kernel is None and (not gpu or queries.shape[2] > MAX_DECODE_L):
         use_kernel = False  # prefill (and CPU) take the dequantize / matmul paths
     if use_kernel is not False:
-        kernel = _gpu_kernel()
+        module = _gpu_module()
         out = None
-        if kernel is not None:
-            out = kernel(
+        if module is not None:
+            out = module.fused_quantized_attention(
                 queries, keys, values, scale=scale, bits=kbits,
                 group_size=group_size, mask=mask, sinks=sinks,
             )
@@ -70,7 +87,7 @@ def quantized_attention(
                 "no fused quantized kernel for these inputs (needs a CUDA or Metal "
                 f"backend, L <= 8, head_dim 64/96/128/256; queries {queries.shape})"
             )
-    if not on_gpu and queries.shape[2] == 1:
+    if not gpu and queries.shape[2] == 1:
         # MLX's CPU quantized_matmul runs row by row: past decode's few rows,
         # dequantizing and one BLAS GEMM was 2-7x faster (docs/QUANTIZED.md).
         return quantized_matmul_attention_with_scores(

@@ -385,6 +385,15 @@ def _mask_kind(mask, L: int, Hq: int, Hk: int):
     return ("bool" if mask.dtype == mx.bool_ else "add"), mh, mask
 
 
+def applies(queries: mx.array, keys: Sequence, values: Sequence, group_size: int) -> bool:
+    """Whether ``fused_quantized_attention`` runs for these shapes (segments
+    as there) on this machine's GPU backend."""
+    Hq, L, D = queries.shape[1:]
+    vdim = values[0][1].shape[-1] * group_size
+    return (gpu_backend() is not None and L <= MAX_L and D in HEAD_DIMS and vdim == D
+            and len(keys) <= 2 and Hq % keys[0][0].shape[1] == 0)
+
+
 def fused_quantized_attention(
     queries: mx.array,
     keys: Sequence,
@@ -401,11 +410,10 @@ def fused_quantized_attention(
 
     keys/values: sequences of (w, scales, biases) segments; bits one per segment.
     """
+    if not applies(queries, keys, values, group_size):
+        return None
     B, Hq, L, D = queries.shape
     Hk = keys[0][0].shape[1]
-    vdim = values[0][1].shape[-1] * group_size
-    if L > MAX_L or D not in HEAD_DIMS or vdim != D or len(keys) > 2 or Hq % Hk:
-        return None
     kind, mh, mask_arr = _mask_kind(mask, L, Hq, Hk)
     two = len(keys) == 2
     N = sum(k[0].shape[2] for k in keys)
