@@ -15,7 +15,6 @@ over samples and heads:
 """
 
 import math
-from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
