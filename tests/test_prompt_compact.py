@@ -18,6 +18,7 @@ from mlx_h2o.cache import (
     load_prompt_cache,
     save_prompt_cache,
 )
+from mlx_h2o.cache.group import link_layers
 from mlx_h2o.cli.generate import h2o_config_from_args, setup_arg_parser
 from mlx_h2o.config import config_from_dict, config_to_dict
 from mlx_h2o.eval.strategies import parse_strategy
@@ -179,6 +180,7 @@ def test_save_load_mid_prompt(tmp_path):
     cfg = prompt_cfg(score="normalized")
     rng = np.random.default_rng(4)
     cache = [H2OKVCache(cfg), H2OKVCache(cfg, window_size=6)]
+    link_layers(cache)  # as the loader links its caches: on a GPU, the same step groups
     for L in [15, 1, 12, 9]:
         for c in cache:
             step(c, L, rng)

@@ -16,6 +16,7 @@ from mlx_h2o.cache import (
     quantized_cache_type,
     save_prompt_cache,
 )
+from mlx_h2o.cache.group import link_layers
 from mlx_h2o.cache.mixed_storage import MixedKV
 
 D, HQ, HK, GS = 64, 4, 2, 32
@@ -256,6 +257,9 @@ def test_save_load_round_trip(tmp_path, quant, stream):
         quantized_cache_type(quant)(cfg),
         quantized_cache_type(quant)(cfg, window_size=6),
     ]
+    # Linked as make_h2o_cache and the loader link them: on a GPU both lists
+    # then decode through the same step groups (the same arithmetic).
+    link_layers(cache)
     for L in stream:
         for c in cache:
             attend(c, *qkv(rng, L, dtype=np.float16))
