@@ -224,6 +224,20 @@ def test_not_a_gguf_is_a_clear_error(tmp_path):
         open_gguf(junk)
 
 
+def test_a_transformers_without_the_gguf_converter_is_a_clear_error(monkeypatch):
+    """transformers < 5.18 keeps convert_gguf_tokenizer elsewhere: building a
+    tokenizer says which version is needed and how to get it."""
+    import types
+
+    from mlx_h2o.models import tokenizer
+
+    name = "transformers.integrations.gguf.gguf_tokenizer_mapping"
+    monkeypatch.setitem(sys.modules, name, types.ModuleType(name))  # no converter in it
+    with pytest.raises(ImportError, match=r"transformers >= 5.18, found transformers .*"
+                                          r"pip install -U 'transformers>=5.18'"):
+        tokenizer.build_tokenizer({"tokenizer.ggml.tokens": ["a"]})
+
+
 def test_unknown_names_are_value_errors(tmp_path):
     with pytest.raises(ValueError, match="smollm2-135m"):
         prepare_model("smollm3", tmp_path)

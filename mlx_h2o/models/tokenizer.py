@@ -74,13 +74,29 @@ def _config_kwargs(meta: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
+def _gguf_converter():
+    """transformers' GGUF tokenizer converter (in integrations/gguf from 5.18;
+    before that in integrations/ggml, with another tokenizer layout)."""
+    import transformers
+
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            convert_gguf_tokenizer,
+        )
+    except ImportError as e:
+        raise ImportError(
+            f"mlx-h2o builds tokenizers from GGUF with transformers >= 5.18, found "
+            f"transformers {transformers.__version__} ({e}): "
+            "pip install -U 'transformers>=5.18'"
+        ) from e
+    return convert_gguf_tokenizer
+
+
 def build_tokenizer(meta: Mapping[str, Any]) -> Any:
     """A `PreTrainedTokenizerFast` for the vocabulary in GGUF metadata `meta`."""
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-        convert_gguf_tokenizer,
-    )
 
+    convert_gguf_tokenizer = _gguf_converter()
     if "tokenizer.ggml.tokens" not in meta:
         raise ValueError("the GGUF file has no tokenizer (tokenizer.ggml.tokens)")
     tok_dict = _tokenizer_dict(meta)
