@@ -12,7 +12,7 @@ from ..kernels.packed import pack, unpack
 from ..kernels.quantized import quantized_attention, uses_kernel
 from ..kernels.quantized_reference import dequantize
 from . import first_use
-from .storage import WritePlans, scattered, checked_launch, resize_slots, take_slots
+from .storage import WritePlans, checked_launch, resize_slots, take_slots
 
 Triple = tuple[mx.array, mx.array, mx.array]
 
@@ -182,27 +182,21 @@ class QuantizedKV:
             plan = self._writes.get(keys, values, index, self.bits, self.group_size,
                                     dense_out=for_sdpa, packed=for_sdpa)
         if plan is not None and for_sdpa:
-            stored = self.group_keys
             self._packed, kd, vd = checked_launch(
-                family, lambda: tuple(plan(keys, values, index, stored)),
-                lambda: self._packed_ops(index, keys, values, stored),
-                lambda got, want: self._write_differs(index, got, want))
+                family, plan, (keys, values, index, self.group_keys), self._packed_ops,
+                self._write_differs)
             self._dense = (self._packed, kd, vd)
         elif plan is not None:
-            stored = (*self.keys, *self.values)
-            res = checked_launch(
-                family, lambda: tuple(plan(keys, values, index, *stored)),
-                lambda: scattered(index, stored, (*self.quantize(keys),
-                                                   *self.quantize(values))),
-                lambda got, want: self._write_differs(index, got, want))
+            res = checked_launch(family, plan, (keys, values, index, *self.keys, *self.values),
+                                 self._scatter_ops, self._write_differs)
             self.keys, self.values = tuple(res[:3]), tuple(res[3:6])
         elif for_sdpa and self._packed is not None:
-            self._packed, kd, vd = self._packed_ops(index, keys, values, self._packed)
+            self._packed, kd, vd = self._packed_ops(keys, values, index, self._packed)
             self._dense = (self._packed, kd, vd)
         else:
             self._put_index(index, self.quantize(keys), self.quantize(values))
 
-    def _packed_ops(self, index, keys, values, stored):
+    def _packed_ops(self, keys, values, index, stored):
         """The write kernel's work by ops (``fused_write = False`` while the group
         fold kernel keeps K/V packed): quantize, one scatter, dequantize.
         Returns (packed buffer, dense keys, dense values)."""
@@ -211,9 +205,16 @@ class QuantizedKV:
         return (packed, *(mx.dequantize(*t, group_size=self.group_size, bits=self.bits)
                           for t in self._views(packed)))
 
-    def _write_differs(self, index, got, want):
-        """first_use's verdict on a write: ``got`` / ``want`` as the packed
-        write returns them (buffer, dense K, dense V) or the six triples' arrays."""
+    def _scatter_ops(self, keys, values, index, *stored):
+        """The triples' write kernel's work by ops: quantize, six scatters."""
+        new = (*self.quantize(keys), *self.quantize(values))
+        return tuple(mx.put_along_axis(a, index, x, axis=2) for a, x in zip(stored, new))
+
+    def _write_differs(self, args, got, want):
+        """first_use's verdict on a write of ``args`` (keys, values, index,
+        stored...): ``got`` / ``want`` as the packed write returns them
+        (buffer, dense K, dense V) or the six triples' arrays."""
+        index = args[2]
         if len(got) == 3:
             triples = [self._views(x[0]) for x in (got, want)]
             dense = got[1:]

@@ -49,12 +49,14 @@ class WritePlans:
         return self.plan
 
 
-def checked_launch(family: str, launch, reference, differs):
-    """``launch()``; on Metal, its first call is checked against
-    ``reference()`` first (cache/first_use.py)."""
+def checked_launch(family: str, plan, args, reference, differs):
+    """``plan(*args)``; on Metal, its first call is checked against
+    ``reference(*args)`` first, by ``differs(args, got, want)``
+    (cache/first_use.py). No closures unless checked: decode is host bound."""
     if first_use.needs_check(family):
-        return first_use.checked(family, launch, reference, differs)
-    return launch()
+        return first_use.checked(family, lambda: plan(*args), lambda: reference(*args),
+                                 lambda got, want: differs(args, got, want))
+    return plan(*args)
 
 
 def put_slot(a, slot, value):
@@ -116,10 +118,9 @@ class DenseKV:
             self.keys = mx.put_along_axis(self.keys, index, keys, axis=2)
             self.values = mx.put_along_axis(self.values, index, values, axis=2)
             return
-        stored = self.keys, self.values
         self.keys, self.values = checked_launch(
-            DENSE_WRITE, lambda: tuple(plan(keys, values, index, *stored)),
-            lambda: scattered(index, stored, (keys, values)), first_use.dense_write_differs)
+            DENSE_WRITE, plan, (keys, values, index, self.keys, self.values), scatter_write,
+            lambda args, got, want: first_use.dense_write_differs(got, want))
 
     def gather(self, slots: mx.array, n: int):
         self.keys = take_slots(self.keys, slots, n)
@@ -166,7 +167,7 @@ class DenseKV:
         self.keys, self.values = arrays
 
 
-def scattered(index: mx.array, stored, new) -> tuple:
-    """Each stored array with its ``new`` counterpart written at ``index``
-    along axis 2 (``put_along_axis``)."""
-    return tuple(mx.put_along_axis(a, index, x, axis=2) for a, x in zip(stored, new))
+def scatter_write(keys, values, index, stored_keys, stored_values) -> tuple:
+    """The dense write kernel's work by ops (its reference): two scatters."""
+    return (mx.put_along_axis(stored_keys, index, keys, axis=2),
+            mx.put_along_axis(stored_values, index, values, axis=2))
