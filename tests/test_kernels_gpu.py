@@ -89,9 +89,9 @@ def test_lanes_per_key(monkeypatch):
     monkeypatch.setattr(decode, "device_backend", lambda: "metal")
     assert lanes_per_key(64, 32768) == 32  # the Metal twin keeps one row a warp read
     monkeypatch.setattr(decode, "device_backend", lambda: "cuda")
-    assert [lanes_per_key(64, n) for n in (1, 4096, 8191, 8192, 32768)] == [16, 16, 16, 8, 8]
-    assert [lanes_per_key(128, n) for n in (4096, 8191, 8192, 32768)] == [32, 32, 16, 16]
-    assert {lanes_per_key(d, n) for d in (80, 96) for n in (1, 32768)} == {16}
+    assert ([lanes_per_key(64, n) for n in (1, 256, 257, 4096, 8191, 8192, 32768)]
+            == [8, 8, 16, 16, 16, 8, 8])  # 8 in one pass and from 8K keys
+    assert {lanes_per_key(d, n) for d in (80, 96, 128) for n in (1, 4096, 32768)} == {16}
     assert {lanes_per_key(d, 32768) for d in (72, 256)} == {32}  # not measured / no fit
 
 

@@ -137,14 +137,15 @@ def mma_supported(dtype, D: int, L: int, G: int, kind: str) -> bool:
 def lanes_per_key(D: int, N: int) -> int:
     """Lanes a key row, where each measured fastest on an H200 (fewer lanes
     a row: fewer warp shuffles per logit, wider loads, more registers):
-    D=64 16, and 8 from 8K keys (4 rows a warp read); D 80 / 96 16; D=128
-    16 from 8K keys (its 168 registers cost more than they save below
-    that); else, and on Metal (never run), 32. docs/GPU.md, sessions 16-17."""
+    D=64 16, and 8 in one pass (<= 256 keys) or from 8K keys (4 rows a warp
+    read); D 80 / 96 16; D=128 16; else, and on Metal (never run), 32.
+    docs/GPU.md, sessions 16-17 and 22 (D=128 below 8K keys: 10.6-14.8
+    against 11.5-15.5 us with 32 lanes, in one pass 10.9 against 13.2)."""
     if device_backend() != "cuda":
         return 32
     if D == 64:
-        return 8 if N >= 8192 else 16
-    return 16 if D in (80, 96) or D == 128 and N >= 8192 else 32
+        return 8 if N >= 8192 or N <= SINGLE_PASS_MAX_N else 16
+    return 16 if D in (80, 96, 128) else 32
 
 
 def choose_splits(N: int, units: int, tile: int, D: int = 128) -> int:
