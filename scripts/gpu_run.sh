@@ -1,7 +1,7 @@
 #!/bin/sh
 # One device call: install MLX CUDA (if given), then check and time the kernels.
 #
-#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|ab|tune|tpk8|tpk16|variants|mma|hostprobe|graphs|gfold|fprobe|gfold_ab|pytest|tests|sweep|qfold|qtile|model|realmodel|ptx]...
+#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|ab|tune|tpk8|tpk16|variants|mma|hostprobe|graphs|gfold|fprobe|gfold_ab|pytest|tests|sweep|qfold|qtile|matrix|model|realmodel|ptx]...
 #
 # "install" expects .gpu/part1 already copied to /root/mlxw (previous call) and
 # .gpu/part2 and .gpu/lib (mlx_lm) carried now; "ensure" reuses a warm install.
@@ -43,6 +43,14 @@ for step in "$@"; do
         -e deferred_scores -e quantized_kernel -e evict_batch -e ops_step -e selfcheck -e swift)
       timeout -s INT 540 python3 -m pytest -q -rf --tb=short -p no:cacheprovider $files \
         2>&1 | tee "$OUT/pytest_sweep.log" | tail -40 ;;
+    matrix)  # the decode matrix, Qwen3-8B shapes (session 22): contexts
+             # 256-16K, budgets 256 / 1K, every strategy, one process each
+      for cb in 256:256 4096:256 4096:1024 16384:256 16384:1024; do
+        timeout 105 python3 scripts/gpu_split.py --no-trace --pin 5 --rounds 6 --steps 32 \
+          --context ${cb%:*} --budget ${cb#*:} --strategies kvcache rotating h2o_no_evict \
+          h2o h2o_batch64 2>&1 | tee "$OUT/split_${cb%:*}_${cb#*:}.log" \
+          | grep -v "^round\|^{" || status=1
+      done ;;
     realmodel)  # the decode benchmark on the carried real model (after "model")
       for cb in 256:256 4096:256 4096:1024 16384:1024; do
         python3 scripts/gpu_split.py --model /root/model --no-trace --pin 5 --rounds 6 \
