@@ -1,9 +1,9 @@
-"""Score-fold kernels on Metal, checked on their first real use.
+"""The caches' Metal kernels, each checked on its first real use.
 
 The Metal kernels were never run on an Apple GPU (docs/GPU.md, "Metal: not
 run"). kernels/selfcheck.py checks the attention kernels before any kernel
-runs; the folds the caches run most are checked here, each on its first
-real call against the op path on the same state: the group fold (a full
+runs; every other kernel family the caches run is checked here, on its
+first real call against the op path on the same state: the group fold (a full
 cache's one launch a token) against the per-layer policy ops, the queue
 fold (queued decode queries below the budget) against the ops fold, the
 fused and fold-only steps against ``ops_step``, the K/V writes against
