@@ -74,6 +74,16 @@ def checked(family: str, kernel: Callable, reference: Callable, differs: Callabl
     return got
 
 
+def launch(family: str, kernel: Callable, args, reference: Callable, differs: Callable):
+    """``kernel(*args)``; where ``family`` needs its check (``needs_check``),
+    ``checked`` against ``reference(*args)`` by ``differs(args, got, want)``.
+    No closures unless checked: decode is host bound."""
+    if needs_check(family):
+        return checked(family, lambda: kernel(*args), lambda: reference(*args),
+                       lambda got, want: differs(args, got, want))
+    return kernel(*args)
+
+
 def queue_differs(got, want) -> Optional[str]:
     """None if two queue folds' (score, count) agree (counts exactly, scores
     within summation order); else what differed."""

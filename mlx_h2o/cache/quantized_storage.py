@@ -12,7 +12,7 @@ from ..kernels.packed import pack, unpack
 from ..kernels.quantized import quantized_attention, uses_kernel
 from ..kernels.quantized_reference import dequantize
 from . import first_use
-from .storage import WritePlans, checked_launch, resize_slots, take_slots
+from .storage import WritePlans, resize_slots, take_slots
 
 Triple = tuple[mx.array, mx.array, mx.array]
 
@@ -182,13 +182,14 @@ class QuantizedKV:
             plan = self._writes.get(keys, values, index, self.bits, self.group_size,
                                     dense_out=for_sdpa, packed=for_sdpa)
         if plan is not None and for_sdpa:
-            self._packed, kd, vd = checked_launch(
+            self._packed, kd, vd = first_use.launch(
                 family, plan, (keys, values, index, self.group_keys), self._packed_ops,
                 self._write_differs)
             self._dense = (self._packed, kd, vd)
         elif plan is not None:
-            res = checked_launch(family, plan, (keys, values, index, *self.keys, *self.values),
-                                 self._scatter_ops, self._write_differs)
+            res = first_use.launch(family, plan, (keys, values, index, *self.keys,
+                                                  *self.values),
+                                   self._scatter_ops, self._write_differs)
             self.keys, self.values = tuple(res[:3]), tuple(res[3:6])
         elif for_sdpa and self._packed is not None:
             self._packed, kd, vd = self._packed_ops(keys, values, index, self._packed)

@@ -49,16 +49,6 @@ class WritePlans:
         return self.plan
 
 
-def checked_launch(family: str, plan, args, reference, differs):
-    """``plan(*args)``; on Metal, its first call is checked against
-    ``reference(*args)`` first, by ``differs(args, got, want)``
-    (cache/first_use.py). No closures unless checked: decode is host bound."""
-    if first_use.needs_check(family):
-        return first_use.checked(family, lambda: plan(*args), lambda: reference(*args),
-                                 lambda got, want: differs(args, got, want))
-    return plan(*args)
-
-
 def put_slot(a, slot, value):
     """Write value (B, Hk, 1[, D]) into slot (B, Hk, 1) along axis 2."""
     idx = slot if a.ndim == 3 else slot[..., None]
@@ -118,7 +108,7 @@ class DenseKV:
             self.keys = mx.put_along_axis(self.keys, index, keys, axis=2)
             self.values = mx.put_along_axis(self.values, index, values, axis=2)
             return
-        self.keys, self.values = checked_launch(
+        self.keys, self.values = first_use.launch(
             DENSE_WRITE, plan, (keys, values, index, self.keys, self.values), scatter_write,
             lambda args, got, want: first_use.dense_write_differs(got, want))
 
