@@ -419,9 +419,7 @@ def fused_quantized_attention(
     N = sum(k[0].shape[2] for k in keys)
     rows = B * Hq * L
     S = choose_splits(N, rows)
-    kernel = _make_quantized_kernel(kind, sinks is not None, two, S > 1)
-    if kernel is None:
-        return None
+    kernel = _make_quantized_kernel(kind, sinks is not None, two, S > 1)  # applies(): built
     inputs = [queries] + [
         a for i in range(len(keys)) for t in (keys[i], values[i]) for a in t
     ]
