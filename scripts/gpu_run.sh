@@ -11,6 +11,20 @@ OUT=${OUT:-/tmp/h2o_out}
 mkdir -p "$OUT"
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1  # mlx + mlx_lm live in /root/site
 status=0
+
+# gpu_split.py over context:budget PAIRS, every strategy, a log each as
+# $OUT/PREFIX_context_budget.log; LIMIT seconds a run (0: none); ARGS follow.
+split_runs() {
+  pairs=$1 prefix=$2 limit=$3
+  shift 3
+  for cb in $pairs; do
+    timeout "$limit" python3 scripts/gpu_split.py "$@" --no-trace --pin 5 --rounds 6 \
+      --context ${cb%:*} --budget ${cb#*:} --strategies kvcache rotating h2o_no_evict \
+      h2o h2o_batch64 2>&1 | tee "$OUT/${prefix}_${cb%:*}_${cb#*:}.log" \
+      | grep -v "^round\|^{" || status=1
+  done
+}
+
 for step in "$@"; do
   case "$step" in
     install)
@@ -45,19 +59,9 @@ for step in "$@"; do
         2>&1 | tee "$OUT/pytest_sweep.log" | tail -40 ;;
     matrix)  # the decode matrix, Qwen3-8B shapes (session 22): contexts
              # 256-16K, budgets 256 / 1K, every strategy, one process each
-      for cb in 256:256 4096:256 4096:1024 16384:256 16384:1024; do
-        timeout 105 python3 scripts/gpu_split.py --no-trace --pin 5 --rounds 6 --steps 32 \
-          --context ${cb%:*} --budget ${cb#*:} --strategies kvcache rotating h2o_no_evict \
-          h2o h2o_batch64 2>&1 | tee "$OUT/split_${cb%:*}_${cb#*:}.log" \
-          | grep -v "^round\|^{" || status=1
-      done ;;
+      split_runs "256:256 4096:256 4096:1024 16384:256 16384:1024" split 105 --steps 32 ;;
     realmodel)  # the decode benchmark on the carried real model (after "model")
-      for cb in 256:256 4096:256 4096:1024 16384:1024; do
-        python3 scripts/gpu_split.py --model /root/model --no-trace --pin 5 --rounds 6 \
-          --steps 64 --context ${cb%:*} --budget ${cb#*:} --strategies kvcache rotating \
-          h2o_no_evict h2o h2o_batch64 2>&1 | tee "$OUT/real_${cb%:*}_${cb#*:}.log" \
-          | grep -v "^round\|^{" || status=1
-      done ;;
+      split_runs "256:256 4096:256 4096:1024 16384:1024" real 0 --model /root/model --steps 64 ;;
     ab)  # kernel microbenchmark, a base commit (.gpu/old: git archive BASE mlx_h2o
          # scripts/bench_kernels.py) against this tree, alternating; $BENCH_ARGS
       for i in 1 2; do
