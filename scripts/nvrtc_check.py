@@ -133,8 +133,7 @@ def constants(kind: str, kw: dict, dtype: str, D: int, G: int, HK: int, L: int):
         return [("G", G), ("HK", HK), ("D", 1), ("MODE", 0)]
     if kind == "group":  # group_fold.GroupPlan (quantized: 4-bit codes, groups of 64)
         q = kw.get("quantized", False)
-        t = [("T", dtype), ("D", D), ("G", G), ("HK", HK), ("NB", 1), ("MODE", 0),
-             ("VD", 1 if q else D)]
+        t = [("T", dtype), ("D", D), ("G", G), ("HK", HK), ("NB", 1), ("MODE", 0)]
         return t + ([("BITS", 4), ("GS", 64)] if q else [])
     fused = kw.get("fused", kind not in ("pass1", "pass2", "pass1mma"))
     L = 1 if fused else L  # the fused step has one query
@@ -163,11 +162,9 @@ def build_kernels(D: int, G: int, HK: int, L: int, backend: str = "cuda") -> Lis
                 raise SystemExit(f"{label}: no build.{kind}_names() to give its inputs")
             inputs, outputs = names(*kw.values())
             types = {"mask": "bool"} if kw.get("mask") == "bool" else {}
-            if kind == "group":  # per-layer victims v0, v1, ...; packed K/V k0, ...
-                types.update({n: "int32_t" for n in outputs if n[1:].isdigit()})
-                if kw.get("quantized"):
-                    types.update({n: "uint32_t" for n in inputs
-                                  if n.startswith("k") and n[1:].isdigit()})
+            if kind == "group" and kw.get("quantized"):  # packed K/V k0, k1, ...
+                types.update({n: "uint32_t" for n in inputs
+                              if n.startswith("k") and n[1:].isdigit()})
             if kind not in KNOWN_KINDS:
                 label += " (constants guessed)"
             template = partial(constants, kind, kw, D=D, G=G, HK=HK, L=L)

@@ -30,11 +30,11 @@ def test_group_source_shares_the_body(n, quantized):
     _, metal = build.group_source("metal", n, quantized)
     assert "$" not in cuda and cuda.count("{") == cuda.count("}")
     assert cuda.replace(source.CUDA_IDS, "") == metal.replace(source.METAL_IDS, "")
-    assert all(f"case {i}: v{i}[" in cuda for i in range(n))
+    assert all(f"layer == {i} ? q{i}" in cuda for i in range(n - 1))
     inputs, outputs = build.group_names(n, quantized)
     ks = [f"k{i}" for i in range(n)]  # dense K or packed K/V: one input per layer
     assert inputs[:n] == [f"q{i}" for i in range(n)] and inputs[n:n + len(ks)] == ks
-    assert all(k in cuda for k in ks) and outputs[-1] == f"v{n - 1}"
+    assert all(k in cuda for k in ks) and outputs[3] == "victim" and len(outputs) == 6
 
 
 def layer_state(rng, B, Hk, cap, n, M, offset):

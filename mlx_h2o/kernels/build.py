@@ -289,8 +289,7 @@ def group_names(n_layers: int, quantized: bool = False):
     ks = [f"k{i}" for i in range(n_layers)]  # dense K, or packed K/V (``quantized``)
     inputs = [*qs, *ks, "lay_i", "lay_f", "pos_in",
               "score_in", "count_in", "slot", "pin"]
-    outputs = ["pos_out", "score_out", "count_out", "victim", "logits", "lay_out"]
-    return inputs, outputs + [f"v{i}" for i in range(n_layers)]
+    return inputs, ["pos_out", "score_out", "count_out", "victim", "logits", "lay_out"]
 
 
 def group_source(backend: str, n_layers: int, quantized: bool = False):
@@ -302,8 +301,6 @@ def group_source(backend: str, n_layers: int, quantized: bool = False):
         head = "".join(f"layer == {i} ? {name}{i} : " for i in range(n_layers - 1))
         return f"{head}{name}{n_layers - 1}"
 
-    vsel = "\n".join(f"        case {i}: v{i}[vb + i] = victim_s; break;"
-                     for i in range(n_layers))
     if quantized:
         ksetup = Template(src.GROUP_K_QUANT).substitute(KSELECT=select("k"))
         kload = src.GROUP_LOAD_QUANT
@@ -312,7 +309,6 @@ def group_source(backend: str, n_layers: int, quantized: bool = False):
         kload = src.GROUP_LOAD_DENSE
     body = Template(src.GROUP_FOLD).substitute(
         IDS=ids, KSETUP=ksetup.strip("\n"), KLOAD=kload.strip("\n"), QSELECT=select("q"),
-        VSELECT=vsel,
         FOLD=Template(src.FOLD).substitute(NV="prm_i[5]", NS="pos_in_shape[2]"),
     )
     return header, body

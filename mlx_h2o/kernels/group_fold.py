@@ -20,8 +20,10 @@ from .h2o_step import _pins, params_row
 from .quantized_reference import BITS
 
 # Metal binds at most 31 buffers per kernel, shape and stride arrays
-# included: 19 + 3 per layer (a dense K buffer or a packed K/V one).
-MAX_LAYERS = {"cuda": 64, "metal": 4}
+# included: 19 + 2 per layer (a query, and a dense K buffer or a packed K/V
+# one; tests/test_metal_check.py counts them).
+MAX_LAYERS = {"cuda": 64, "metal": 6}
+METAL_BUFFERS = 31
 
 
 class GroupFold(NamedTuple):
@@ -76,7 +78,7 @@ class GroupPlan:
         # Victims repeat along D for dense writes; packed ones take (B, Hk, 1, 1).
         self.VD = 1 if quantized else D
         self.template = [("T", dtype), ("D", D), ("G", Hq // Hk), ("HK", Hk), ("NB", B),
-                         ("MODE", SCORE_MODES.index(mode)), ("VD", self.VD)]
+                         ("MODE", SCORE_MODES.index(mode))]
         if quantized:
             self.template += [("BITS", bits), ("GS", group_size)]
         self.pins = _pins(pinned)
@@ -91,13 +93,17 @@ class GroupPlan:
         n, B, Hq, Hk, D, M = self.n, self.B, self.Hq, self.Hk, self.D, self.M
         qs, keys, (lay_i, lay_f, pos, sc, cn, slot) = arrays[:n], arrays[n:2 * n], arrays[2 * n:]
         i32, f32 = mx.int32, mx.float32
-        return self.kernel(
+        outs = self.kernel(
             inputs=[*qs, *keys, lay_i, lay_f, pos, sc, cn, slot, self.pins],
             template=self.template, grid=(n * B * Hk * NT, 1, 1), threadgroup=(NT, 1, 1),
-            output_shapes=[(n * B, Hk, M)] * 3 + [(n * B, Hk, 1, D), (n * B, Hq, M), (n, 8)]
-            + [(B, Hk, 1, self.VD)] * n,
-            output_dtypes=[i32, f32, f32, i32, f32, i32] + [i32] * n,
+            output_shapes=[(n * B, Hk, M)] * 3 + [(n * B, Hk, 1, D), (n * B, Hq, M), (n, 8)],
+            output_dtypes=[i32, f32, f32, i32, f32, i32],
         )
+        # Each layer's victim as a view of the stacked one (a slice node, no
+        # copy): a kernel output per layer cost more host time, each output
+        # holding its own copy of the ~80 inputs (docs/GPU.md, "Session 23").
+        victim = outs[3] if self.VD == D else outs[3][..., :self.VD]
+        return (*outs, *(victim[i * B:(i + 1) * B] for i in range(n)))
 
 
 @lru_cache(maxsize=16)
