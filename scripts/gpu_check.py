@@ -117,7 +117,7 @@ class FusedDriver:
         pri = policy.priority(sc, keep, pos, self.offset + 1, self.window)
         return policy.select_victim(pri, pos).astype(mx.int32)
 
-    def step(self, q, k, v, scale):
+    def step(self, q, k, v, scale, mask=None):
         cfg, n = self.cfg, self.n
         if n < cfg.max_size:
             self.keys[..., n:n + 1, :] = k
@@ -137,6 +137,7 @@ class FusedDriver:
             self.score, self.count, slot=slot, append_slot=app, offset=self.offset,
             scale=scale, mode=cfg.score, alpha=cfg.ema_alpha, sink_size=cfg.sink_size,
             recent_budget=cfg.recent_budget, pinned=cfg.pinned, window_size=self.window,
+            mask=mask,
             # Every other step unpoisoned, so a full cache takes the compiled launch.
             num_splits=self.splits, poison=NAN if self.steps % 2 == 0 else None)
         self.steps += 1
@@ -144,7 +145,18 @@ class FusedDriver:
         return res.out, slot
 
 
-def fused_run(cfg, *, B, Hq, Hk, D, dtype, window, prefill, steps, splits, seed):
+def step_mask(rng, B, n):
+    """A decode step's bool mask over n slots, (B, 1, 1, n): ~15% of the
+    slots hidden, slot 0 always seen (no row fully masked)."""
+    m = rng.random((B, 1, 1, n)) >= 0.15
+    m[..., 0] = True
+    return mx.array(m)
+
+
+def fused_run(cfg, *, B, Hq, Hk, D, dtype, window, prefill, steps, splits, seed,
+              masked=False):
+    """The fused step driven as the cache drives it, against the reference
+    cache step by step; ``masked``: every step has a random bool mask."""
     rng = np.random.default_rng(seed)
     dt, scale = getattr(mx, dtype), D ** -0.5
     rnd = lambda *s: mx.array(rng.standard_normal(s)).astype(dt)  # noqa: E731
@@ -158,7 +170,8 @@ def fused_run(cfg, *, B, Hq, Hk, D, dtype, window, prefill, steps, splits, seed)
     stats = dict(evictions=0, ties=0, fails=0, out=0.0, score=0.0)
     for t in range(steps):
         q, k, v = rnd(B, Hq, 1, D), rnd(B, Hk, 1, D), rnd(B, Hk, 1, D)
-        out, slot = drv.step(q, k, v, scale)
+        mask = step_mask(rng, B, min(drv.n + 1, cfg.max_size)) if masked else None
+        out, slot = drv.step(q, k, v, scale, mask)
         mx.eval(out, drv.positions, drv.score, drv.count, drv.victim)
         with mx.stream(mx.cpu):
             full = ref.size() >= cfg.max_size
@@ -167,7 +180,7 @@ def fused_run(cfg, *, B, Hq, Hk, D, dtype, window, prefill, steps, splits, seed)
                 ref_slot = np.array(policy.select_victim(pri, pos))
                 pri = np.array(pri)
             kk, vv = ref.update_and_fetch(k, v)
-            out_ref = ref.h2o_attention(q, kk, vv, scale=scale, mask=None)
+            out_ref = ref.h2o_attention(q, kk, vv, scale=scale, mask=mask)
             mx.eval(out_ref, ref.score, ref.count, ref.positions)
         n = ref.size()
         if full:
@@ -218,17 +231,27 @@ FUSED_RUNS = (
     (H2OConfig(max_size=1024, sink_size=4, recent_budget=256, score="accumulated"), 1, 32,
      8, 128, "float16", None, 1000, None),
 )
+# Runs with a random bool mask every step (batched decode's padding masks):
+# one pass where the split rule allows it (two on Metal), and forced splits.
+MASKED_RUNS = (
+    (H2OConfig(max_size=128, sink_size=4, recent_budget=32), 2, 32, 8, 128, "float16",
+     None, 100, None),
+    (H2OConfig(max_size=96, sink_size=2, recent_budget=16, score="accumulated"), 1, 8, 2,
+     64, "bfloat16", None, 80, 3),
+)
 
 
 def run_fused(steps: int, seed: int) -> int:
     print(f"{'fused H2O step':44s} steps evict ties  out/tol score  result")
     failures = 0
-    for i, (cfg, B, Hq, Hk, D, dt, window, prefill, splits) in enumerate(FUSED_RUNS):
+    runs = [(r, False) for r in FUSED_RUNS] + [(r, True) for r in MASKED_RUNS]
+    for i, ((cfg, B, Hq, Hk, D, dt, window, prefill, splits), masked) in enumerate(runs):
         t0 = time.time()
         st = fused_run(cfg, B=B, Hq=Hq, Hk=Hk, D=D, dtype=dt, window=window,
-                       prefill=prefill, steps=steps, splits=splits, seed=seed + i)
+                       prefill=prefill, steps=steps, splits=splits, seed=seed + i,
+                       masked=masked)
         label = (f"{cfg.score} max={cfg.max_size} H={Hq}/{Hk} D={D} {dt} "
-                 f"w={window} S={splits}")
+                 f"w={window} S={splits}{' mask' if masked else ''}")
         failures += st["fails"] > 0
         print(f"{label:44s} {steps:5d} {st['evictions']:5d} {st['ties']:4d} "
               f"{st['out'] / OUT_TOL[dt]:7.3f} {st['score']:.1e}  "

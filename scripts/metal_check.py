@@ -125,11 +125,9 @@ def template_value(value, dtype: str) -> str:
     return str(int(value)) if not isinstance(value, bool) else str(value).lower()
 
 
-def wrap(kernel: nv.Kernel, dtype: str, func: str) -> str:
-    """One variant as metal_kernel writes it, in a namespace of its own."""
-    tmpl = kernel.template(dtype)
-    params = ", ".join(("typename " if isinstance(v, str) else
-                        "bool " if isinstance(v, bool) else "int ") + n for n, v in tmpl)
+def buffer_args(kernel: nv.Kernel, dtype: str = "float16") -> List[str]:
+    """The arguments metal_kernel binds as buffers, in order: inputs, their
+    ``_shape`` / ``_strides`` / ``_ndim`` that the body names, outputs."""
     args = [f"  const {'constant' if n in CONSTANT_INPUTS else 'device'} "
             f"{METAL_TYPES[nv.ctype(n, kernel, dtype)]}* {n}" for n in kernel.inputs]
     for n in kernel.inputs:
@@ -137,7 +135,16 @@ def wrap(kernel: nv.Kernel, dtype: str, func: str) -> str:
                           ("ndim", "const constant int&")):
             if f"{n}_{suffix}" in kernel.body:
                 args.append(f"  {t} {n}_{suffix}")
-    args += [f"  device {METAL_TYPES[nv.ctype(n, kernel, dtype)]}* {n}" for n in kernel.outputs]
+    return args + [f"  device {METAL_TYPES[nv.ctype(n, kernel, dtype)]}* {n}"
+                   for n in kernel.outputs]
+
+
+def wrap(kernel: nv.Kernel, dtype: str, func: str) -> str:
+    """One variant as metal_kernel writes it, in a namespace of its own."""
+    tmpl = kernel.template(dtype)
+    params = ", ".join(("typename " if isinstance(v, str) else
+                        "bool " if isinstance(v, bool) else "int ") + n for n, v in tmpl)
+    args = buffer_args(kernel, dtype)
     args += [f"  {t} {a} [[{a}]]" for a, t in ATTRIBUTES.items() if a in kernel.body]
     values = ", ".join(template_value(v, dtype) for _, v in tmpl)
     return (f"namespace {func} {{\n{kernel.header}\n"

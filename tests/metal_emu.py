@@ -271,6 +271,7 @@ static int h2o_run(const int* grid, const int* tg, const std::function<void(cons
 # Apple GPUs' threadgroup memory a threadgroup may use (MTLDevice
 # maxThreadgroupMemoryLength): a kernel over it would not launch there.
 METAL_THREADGROUP_BYTES = 32 * 1024
+METAL_BUFFERS = 31  # entries of a kernel's buffer argument table
 
 C_TYPES = {mx.float16: "float16_t", mx.bfloat16: "bfloat16_t", mx.float32: "float",
            mx.int32: "int32_t", mx.uint32: "uint32_t", mx.bool_: "bool"}
@@ -385,6 +386,14 @@ class EmulatedKernel:
             self._libs[key] = lib
         return lib
 
+    def buffers(self, inputs, n_outputs: int) -> int:
+        """Buffer indices metal_kernel binds for this launch: each input, its
+        ``_shape`` / ``_strides`` / ``_ndim`` the body names (not for 0-d
+        inputs), each output (mlx/backend/metal/custom_kernel.cpp)."""
+        extra = sum(f"{n}_{s}" in self.source for n, x in zip(self.inputs, inputs)
+                    if x.ndim > 0 for s in ("shape", "strides", "ndim"))
+        return len(inputs) + extra + n_outputs
+
     def __call__(self, inputs, template=(), grid=(1, 1, 1), threadgroup=(1, 1, 1),
                  output_shapes=(), output_dtypes=(), init_value: Optional[float] = None,
                  verbose: bool = False, stream=None) -> List[mx.array]:
@@ -409,6 +418,10 @@ class EmulatedKernel:
                 o[...] = np.array(fill.view(mx.uint16) if dt == mx.bfloat16 else fill)[0]
             outs.append(o)
             ptrs.append(o.ctypes.data)
+        buffers = self.buffers(inputs, len(output_dtypes))
+        if buffers > METAL_BUFFERS:
+            raise RuntimeError(f"{self.name}: binds {buffers} buffers, more than Metal's "
+                               f"{METAL_BUFFERS} (its argument table)")
         program = self._program(template, [x.dtype for x in inputs], list(output_dtypes))
         lib = self._library(program)
         if lib.threadgroup_bytes is not None and lib.threadgroup_bytes > METAL_THREADGROUP_BYTES:

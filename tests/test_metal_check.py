@@ -53,3 +53,45 @@ def test_checker_rejects_wrong_kernels():
     assert set(failed) == {"space", "dependent"}
     assert "'constant float const *'" in failed["space"]
     assert "'__bf16' cannot be used prior to '::'" in failed["dependent"]
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_group_fold_fits_metals_buffer_table(quantized):
+    """Metal binds at most 31 buffers a kernel: the group fold over
+    MAX_LAYERS["metal"] layers fits, one layer more would not (the bound is
+    as large as it can be)."""
+    from mlx_h2o.kernels import build
+    from mlx_h2o.kernels.group_fold import MAX_LAYERS, METAL_BUFFERS
+
+    def buffers(n):
+        inputs, outputs = build.group_names(n, quantized)
+        header, body = build.group_source("metal", n, quantized)
+        kernel = nvrtc_check.Kernel("group", header, body, inputs, outputs, lambda dt: [], {})
+        return len(metal_check.buffer_args(kernel))
+
+    n = MAX_LAYERS["metal"]
+    assert buffers(n) <= METAL_BUFFERS < buffers(n + 1)
+
+
+def _avoided_on_metal(label: str) -> bool:
+    """Variants the launch code never picks on Metal: the fused one-pass step
+    with an array mask (kernels/h2o_step.py takes two passes there) and
+    two-segment quantized attention (quantized_gpu.MAX_SEGMENTS)."""
+    fused_masked = (label.startswith("pass1 ") and "fused=True" in label
+                    and "split=False" in label and ("mask=bool" in label or "mask=add" in label))
+    return fused_masked or (label.startswith("qattn ") and "two=True" in label)
+
+
+@pytest.mark.parametrize("shape", [(128, 4, 8, 1), (64, 8, 1, 2), (256, 1, 8, 8)])
+def test_metal_variants_fit_metals_buffer_table(shape):
+    """Every Metal variant the launch code may pick binds at most 31 buffers
+    (inputs, the shapes / strides its body reads, outputs), and each one it
+    avoids on Metal would not fit: the rules are exact, not conservative."""
+    from mlx_h2o.kernels import quantized_gpu
+
+    kernels = metal_check.kernels(*shape)
+    assert len(kernels) > 50
+    for k in kernels:
+        n = len(metal_check.buffer_args(k))
+        assert (n > 31) == _avoided_on_metal(k.label), (k.label, n)
+    assert quantized_gpu.MAX_SEGMENTS["metal"] == 1

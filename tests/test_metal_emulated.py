@@ -78,7 +78,7 @@ def metal(monkeypatch):
     monkeypatch.setattr(group_fold, "group_fold_supported", lambda *a, **k: True)
     monkeypatch.setattr(test_group_fold_gpu, "group_fold_supported", lambda *a, **k: True)
     monkeypatch.setattr(cache_group, "group_fold_supported", lambda *a, **k: True)
-    for module in (kv_write, queued, quantized_gpu):
+    for module in (kv_write, queued, quantized_gpu, h2o_step):
         monkeypatch.setattr(module, "gpu_backend", lambda: "metal")
     for module in (kv_write, queued):
         monkeypatch.setattr(module, "runs_on_gpu", lambda: True)
@@ -185,6 +185,19 @@ def test_metal_fused_step_follows_the_reference_cache(metal, run):
 
 
 @needs_clang
+@pytest.mark.parametrize("splits", [None, 2])
+def test_metal_masked_fused_step_follows_the_reference_cache(metal, splits):
+    """A bool mask every step: on Metal the one-pass masked kernel would bind
+    33 buffers (the emulator refuses it), so the step takes two passes and
+    still follows the reference cache."""
+    cfg = H2OConfig(max_size=40, sink_size=2, recent_budget=8)
+    stats = gpu_check.fused_run(cfg, B=2, Hq=8, Hk=2, D=64, dtype="float16", window=None,
+                                prefill=30, steps=20, splits=splits, seed=5, masked=True)
+    assert stats["fails"] == 0, stats
+    assert stats["evictions"] > 8, stats
+
+
+@needs_clang
 def test_metal_fold_step_matches_the_policy(metal):
     """h2o_fold_step on Metal's text against the policy in mx ops: equal
     victims, positions and counts, scores within 1e-5 (gpu_check.run_fold)."""
@@ -284,9 +297,27 @@ def test_metal_queue_fold_tiles(metal, tile):
 
 
 @needs_clang
-@pytest.mark.parametrize("N,bits", [(1, (4,)), (97, (8,)), (257, (8, 4))])
+@pytest.mark.parametrize("N,bits", [(1, (4,)), (97, (8,))])
 def test_metal_quantized_attention(metal, N, bits):
     test_quantized_kernel.test_gpu_kernel_matches_reference(N, bits)
+
+
+@needs_clang
+def test_metal_two_segments_take_the_dequantize_path(metal, monkeypatch):
+    """Two segments (a mixed cache) would bind more buffers than Metal's 31
+    (the emulator refuses such a launch): on Metal they are not the kernel's,
+    so the default path attends them by the reference and use_kernel=True
+    says why."""
+    from mlx_h2o.kernels import quantized
+    from mlx_h2o.kernels.quantized import quantized_attention
+
+    monkeypatch.setattr(quantized, "on_gpu", lambda: True)  # the GPU device's path
+    q, k, v, k64, v64 = test_quantized_kernel.make(
+        2, 8, 2, 1, 257, 128, (8, 4), 64, mx.float16, np.random.default_rng(), segments=2)
+    res = quantized_attention(q, k, v, scale=0.088, bits=(8, 4), group_size=64)
+    test_quantized_kernel.check(res, q, k64, v64, 0.088, mx.float16)
+    with pytest.raises(ValueError, match="one segment on Metal"):
+        quantized_attention(q, k, v, scale=0.088, bits=(8, 4), group_size=64, use_kernel=True)
 
 
 @needs_clang

@@ -103,6 +103,10 @@ class StepPlan:
                         _make_pass2_kernel(has_sinks, True))
         self.cap = cap
         self._splits = {}
+        # On Metal the one-pass kernel with an array mask binds 32-33 buffers,
+        # past the 31 of a kernel's argument table (tests/test_metal_check.py):
+        # such steps take the two passes, which fit.
+        self.min_splits = 2 if kind in ("bool", "add") and gpu_backend() == "metal" else 1
         # A full cache (N == cap) calls with the same shapes every step: a
         # recorded launch replays its graph instead of rebuilding the kernel
         # call (~35 us of host time per call on the H100, docs/GPU.md). Its
@@ -125,7 +129,7 @@ class StepPlan:
             S = choose_splits(N, self.units, self.lay.tile, self.shape[3])
             if self.shape[4] > FUSED_MAX_GROUP:
                 S = max(S, 2)  # the fold then runs in pass 2, which loops over row tiles
-            S = self._splits[N] = max(1, min(S, MAX_SPLITS))
+            S = self._splits[N] = max(self.min_splits, min(S, MAX_SPLITS))
         return S
 
     def __call__(self, q, k, v, positions, score, count, slot, append_slot, offset,
@@ -149,7 +153,8 @@ class StepPlan:
         B, Hq, Hk, D, G = self.shape
         single, split, merge = kernels or self.kernels
         N = k.shape[2]
-        S = min(max(num_splits, 1), MAX_SPLITS) if num_splits else self.splits(N)
+        S = (min(max(num_splits, self.min_splits), MAX_SPLITS) if num_splits
+             else self.splits(N))
         head = [q, k, v, self.prm]
         head += [mask] if self.kind in ("bool", "add") else []
         f32, lay, NT_ = mx.float32, self.lay, NT

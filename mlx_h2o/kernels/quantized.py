@@ -85,7 +85,8 @@ def quantized_attention(
         if use_kernel:
             raise ValueError(
                 "no fused quantized kernel for these inputs (needs a CUDA or Metal "
-                f"backend, L <= 8, head_dim 64/96/128/256; queries {queries.shape})"
+                "backend, L <= 8, head_dim 64/96/128/256, one segment on Metal or two "
+                f"on CUDA; queries {queries.shape}, {len(keys)} segments)"
             )
     if not gpu and queries.shape[2] == 1:
         # MLX's CPU quantized_matmul runs row by row: past decode's few rows,

@@ -31,6 +31,11 @@ from .source import CUDA_HEADER, CUDA_IDS, METAL_HEADER, METAL_IDS
 NT = 256
 HEAD_DIMS = (64, 96, 128, 256)
 MAX_L = 8
+# Segments one launch reads. Metal binds at most 31 buffers a kernel (inputs,
+# the shapes / strides the body reads, outputs): two segments need 32-37
+# (tests/test_metal_check.py counts them), so a mixed cache on Metal attends
+# by the dequantize path.
+MAX_SEGMENTS = {"cuda": 2, "metal": 1}
 SINGLE_PASS_N = 256  # up to here one launch; longer rows split their keys
 MIN_SPLIT_KEYS = 128
 TARGET_BLOCKS = 528  # four blocks per SM of a 132-SM H100
@@ -390,8 +395,9 @@ def applies(queries: mx.array, keys: Sequence, values: Sequence, group_size: int
     as there) on this machine's GPU backend."""
     Hq, L, D = queries.shape[1:]
     vdim = values[0][1].shape[-1] * group_size
-    return (gpu_backend() is not None and L <= MAX_L and D in HEAD_DIMS and vdim == D
-            and len(keys) <= 2 and Hq % keys[0][0].shape[1] == 0)
+    return (L <= MAX_L and D in HEAD_DIMS and vdim == D
+            and len(keys) <= MAX_SEGMENTS.get(gpu_backend(), 0)
+            and Hq % keys[0][0].shape[1] == 0)
 
 
 def fused_quantized_attention(
@@ -406,7 +412,8 @@ def fused_quantized_attention(
     sinks: mx.array | None = None,
 ):
     """(out, logits, lse) from the fused kernel, or None where it does not apply
-    (no GPU backend, L > 8, head_dim not in HEAD_DIMS, more than two segments).
+    (no GPU backend, L > 8, head_dim not in HEAD_DIMS, more segments than
+    MAX_SEGMENTS).
 
     keys/values: sequences of (w, scales, biases) segments; bits one per segment.
     """
