@@ -236,16 +236,6 @@ $KLOAD
     lse_sh[tid] = H2O_LOG(S) + M;
   }
 $FOLD
-  // Each layer's victim also as its own (B, HK, 1, D) array: the layer's K/V
-  // writes take it as is (no slice node per layer).
-  {
-    const i64 vb = ((i64)bq * HK + blk_x % HK) * VD;
-    for (int i = tid; i < VD; i += NT) {
-      switch (layer) {
-$VSELECT
-      }
-    }
-  }
 
 """#,
         "GROUP_K_DENSE": #"""

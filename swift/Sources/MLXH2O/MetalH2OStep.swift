@@ -59,7 +59,9 @@ public func metalH2ODecodeStep(
     let units = B * Hk * lay.rowTiles
     var S = numSplits ?? chooseSplits(keys: N, units: units, tile: lay.tile, D: D)
     if G > KernelConstants.fusedMaxGroup { S = max(S, 2) }  // the fold then runs in pass 2
-    S = max(1, min(S, KernelConstants.maxSplits))
+    // The one-pass kernel with an array mask binds 32-33 buffers, past the 31
+    // of a Metal kernel's argument table; the two passes fit.
+    S = max(kind == .bool || kind == .add ? 2 : 1, min(S, KernelConstants.maxSplits))
     let prmI = MLXArray(
         [offset, appendSlot ?? -1, windowSize ?? 0, config.sinkSize, config.recentBudget, N]
             .map(Int32.init))  // N: keys attended (the kernels' valid count)
