@@ -611,3 +611,16 @@ def test_metal_quantized_attention_first_use_check(first_use, monkeypatch, wrong
 
     ops.kv.attention = reference
     _assert_checked_like_ops(kernel, ops, first_use, "quantized attention", wrong)
+
+
+@needs_clang
+@pytest.mark.parametrize("tpk", [16, 8])
+@pytest.mark.parametrize("run", FUSED_RUNS, ids=lambda r: f"{r[0].score}-{r[5]}-S{r[8]}")
+def test_metal_fused_step_at_fewer_lanes_a_key(metal, run, tpk):
+    """The fused step reading a key row with 16 or 8 lanes (where the row
+    fits), as decode_attention does on CUDA, against the reference cache."""
+    cfg, B, Hq, Hk, D, dt, window, prefill, splits = run
+    with decode.launch_settings(lanes_per_key=tpk):
+        stats = gpu_check.fused_run(cfg, B=B, Hq=Hq, Hk=Hk, D=D, dtype=dt, window=window,
+                                    prefill=prefill, steps=24, splits=splits, seed=3)
+    assert stats["fails"] == 0 and stats["evictions"] > 10, stats

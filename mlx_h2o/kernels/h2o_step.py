@@ -84,8 +84,11 @@ class StepPlan:
     def __init__(self, B, Hq, Hk, D, dtype, cap, kind, mh, mode, alpha, scale,
                  sink_size, recent_budget, pinned, window_size, has_sinks):
         G = Hq // Hk
-        # 32 lanes a key row: decode_attention's 16-lane rows were not run fused
-        lay = layout(D, dtype.size, G, 1, decode.settings().keys_per_lane_group)
+        # Lanes a key row as decode_attention's (16 at D=128 on CUDA), or the
+        # launch setting (experiment: not yet timed fused on a GPU).
+        cfg = decode.settings()
+        tpk = cfg.lanes_per_key or decode.lanes_per_key(D, cap)
+        lay = layout(D, dtype.size, G, 1, cfg.keys_per_lane_group, tpk)
         self.shape = (B, Hq, Hk, D, G)
         self.lay, self.units, self.kind, self.has_sinks = lay, B * Hk * lay.RT, kind, has_sinks
         mode_i = SCORE_MODES.index(mode)
