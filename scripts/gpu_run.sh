@@ -1,7 +1,7 @@
 #!/bin/sh
 # One device call: install MLX CUDA (if given), then check and time the kernels.
 #
-#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|ab|tune|tpk8|tpk16|variants|mma|hostprobe|graphs|gfold|fprobe|gfold_ab|pytest|tests|sweep|qfold|qtile|matrix|model|realmodel|ptx]...
+#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|vout|fcheck|steplanes|ab|tune|tpk8|tpk16|variants|mma|hostprobe|graphs|gfold|fprobe|gfold_ab|pytest|tests|sweep|qfold|qtile|matrix|model|realmodel|ptx]...
 #
 # "install" expects .gpu/part1 already copied to /root/mlxw (previous call) and
 # .gpu/part2 and .gpu/lib (mlx_lm) carried now; "ensure" reuses a warm install.
@@ -12,15 +12,17 @@ mkdir -p "$OUT"
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1  # mlx + mlx_lm live in /root/site
 status=0
 
-# gpu_split.py over context:budget PAIRS, every strategy, a log each as
-# $OUT/PREFIX_context_budget.log; LIMIT seconds a run (0: none); ARGS follow.
+# gpu_split.py over context:budget PAIRS, $strategies (default: the issue's),
+# a log each as $OUT/PREFIX_context_budget.log; LIMIT seconds a run (0: none);
+# ARGS follow.
+strategies="kvcache rotating h2o_no_evict h2o h2o_batch64"
 split_runs() {
   pairs=$1 prefix=$2 limit=$3
   shift 3
   for cb in $pairs; do
     timeout "$limit" python3 scripts/gpu_split.py "$@" --no-trace --pin 5 --rounds 6 \
-      --context ${cb%:*} --budget ${cb#*:} --strategies kvcache rotating h2o_no_evict \
-      h2o h2o_batch64 2>&1 | tee "$OUT/${prefix}_${cb%:*}_${cb#*:}.log" \
+      --context ${cb%:*} --budget ${cb#*:} --strategies $strategies \
+      2>&1 | tee "$OUT/${prefix}_${cb%:*}_${cb#*:}.log" \
       | grep -v "^round\|^{" || status=1
   done
 }
@@ -62,6 +64,17 @@ for step in "$@"; do
       split_runs "256:256 4096:256 4096:1024 16384:256 16384:1024" split 105 --steps 32 ;;
     realmodel)  # the decode benchmark on the carried real model (after "model")
       split_runs "256:256 4096:256 4096:1024 16384:1024" real 0 --model /root/model --steps 64 ;;
+    vout)  # session 23: the group fold's victims as slices (h2o) or an output a layer
+      strategies="rotating h2o h2o_victim_outputs"
+      split_runs "4096:256 16384:1024 4096:256" vout 150 --steps 32 ;;
+    fcheck)  # the fold and fused-step sections of gpu_check (masked runs too)
+      timeout 400 python3 scripts/gpu_check.py --skip-attention --fused-steps 100 2>&1 \
+        | tee "$OUT/check_fused.log" | grep -v ": ok$" || status=1 ;;
+    steplanes)  # a whole fused layer step, 32 lanes a key row against the default
+      for t in 32 0 32 0; do
+        python3 scripts/bench_kernels.py --repeats 3 --dims 128 --ns 256 --step \
+          --lanes-per-key $t 2>&1 | tee -a "$OUT/bench_step_tpk$t.log" | grep -v "^{" || status=1
+      done ;;
     ab)  # kernel microbenchmark, a base commit (.gpu/old: git archive BASE mlx_h2o
          # scripts/bench_kernels.py) against this tree, alternating; $BENCH_ARGS
       for i in 1 2; do

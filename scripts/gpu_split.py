@@ -42,7 +42,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_kernels import cuda_kernel_times  # noqa: E402
-from gpu_cache_check import mlx_built, mlx_fold, prefill, without_groups  # noqa: E402
+from gpu_cache_check import (  # noqa: E402
+    mlx_built, mlx_fold, prefill, victim_outputs, without_groups,
+)
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache  # noqa: E402
 import mlx_h2o  # noqa: E402
 from mlx_h2o import H2OConfig, make_h2o_cache  # noqa: E402
@@ -150,6 +152,8 @@ def strategies(model, context, budget):
         "h2o_per_layer": lambda: without_groups(make_h2o_cache(model, cfg)),
         # the group fold built by MLX, launched directly (before session 18)
         "h2o_mlxfold": lambda: mlx_fold(cfg, model),
+        # the group fold with one victim output per layer (before session 23)
+        "h2o_victim_outputs": lambda: victim_outputs(cfg, model),
         # diagnostics (wrong results): no fold launch / slice updates for scatters
         "h2o_fixed_victims": lambda: fixed_victims(make_h2o_cache(model, cfg)),
         "h2o_slot0": lambda: slot0_writes(make_h2o_cache(model, cfg)),
