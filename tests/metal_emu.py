@@ -40,6 +40,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
 from metal_check import ATTRIBUTES, MSL_VALUES, find_cxx  # noqa: E402
+from mlx_h2o.kernels.build import METAL_BUFFERS  # noqa: E402
 
 PRELUDE = r"""
 #if defined(__APPLE__)
@@ -271,7 +272,6 @@ static int h2o_run(const int* grid, const int* tg, const std::function<void(cons
 # Apple GPUs' threadgroup memory a threadgroup may use (MTLDevice
 # maxThreadgroupMemoryLength): a kernel over it would not launch there.
 METAL_THREADGROUP_BYTES = 32 * 1024
-METAL_BUFFERS = 31  # entries of a kernel's buffer argument table
 
 C_TYPES = {mx.float16: "float16_t", mx.bfloat16: "bfloat16_t", mx.float32: "float",
            mx.int32: "int32_t", mx.uint32: "uint32_t", mx.bool_: "bool"}

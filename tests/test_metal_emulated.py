@@ -356,6 +356,27 @@ def test_emulator_enforces_metal_threadgroup_memory(metal):
 
 
 @needs_clang
+def test_emulator_enforces_metal_buffer_table(metal):
+    """Each input, each _shape / _strides it names (ndim > 0) and each output
+    takes one of Metal's 31 buffer indices: 15 inputs with their strides and
+    an output fit (31), one more input does not (33)."""
+    from mlx_h2o.kernels import source
+
+    def probe(n):
+        names = [f"a{i}" for i in range(n)]
+        reads = " + ".join(f"a{i}[a{i}_strides[0] * 0]" for i in range(n))
+        body = source.METAL_IDS + f"\n  out[tid] = {reads};\n"
+        kernel = metal_emu.EmulatedKernel(f"probe_b{n}", names, ["out"], body,
+                                          source.METAL_HEADER, ensure_row_contiguous=False)
+        return kernel(inputs=[mx.ones((4,))] * n, grid=(4, 1, 1), threadgroup=(4, 1, 1),
+                      output_shapes=[(4,)], output_dtypes=[mx.float32])
+
+    assert probe(15)[0].tolist() == [15.0] * 4
+    with pytest.raises(RuntimeError, match="binds 33 buffers"):
+        probe(16)
+
+
+@needs_clang
 @pytest.mark.parametrize("quant", [None, (8, 64)])
 def test_metal_group_fold_in_grouped_caches(metal, quant):
     """Three H2O caches of different sizes grouped on the Metal group fold vs

@@ -15,6 +15,11 @@ MASK_KINDS = ("none", "causal", "bool", "add")
 # Index = the kernels' MODE constant; names as in mlx_h2o.config.SCORE_MODES.
 SCORE_MODES = ("ema", "accumulated", "normalized", "attention_ema")
 
+# Entries of a Metal kernel's buffer argument table: MLX's metal_kernel binds
+# each input, each of its _shape / _strides / _ndim the body names, and each
+# output to one (mlx/backend/metal/custom_kernel.cpp).
+METAL_BUFFERS = 31
+
 
 @lru_cache(maxsize=1)
 def device_backend() -> Optional[str]:

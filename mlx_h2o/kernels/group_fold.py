@@ -19,11 +19,10 @@ from .decode import DTYPES, NT
 from .h2o_step import _pins, params_row
 from .quantized_reference import BITS
 
-# Metal binds at most 31 buffers per kernel, shape and stride arrays
-# included: 19 + 2 per layer (a query, and a dense K buffer or a packed K/V
-# one; tests/test_metal_check.py counts them).
+# Metal binds at most METAL_BUFFERS (31) buffers per kernel, shape and
+# stride arrays included: 19 + 2 per layer (a query, and a dense K buffer or
+# a packed K/V one; tests/test_metal_check.py counts them).
 MAX_LAYERS = {"cuda": 64, "metal": 6}
-METAL_BUFFERS = 31
 
 
 class GroupFold(NamedTuple):
@@ -36,7 +35,7 @@ class GroupFold(NamedTuple):
     logits: mx.array  # (n * B, Hq, M) float32, slots < valid of each layer
     lay_i: mx.array  # (n, 8) int32: ``lay_i`` of the next token (offset + 1)
     victims: List[mx.array]  # n x (B, Hk, 1, D) int32 (dense; (B, Hk, 1, 1) for
-    #                          triples): the same, one per layer
+    #                          triples): views of ``victim``, one per layer
 
 
 def max_layers() -> int:
@@ -63,8 +62,8 @@ def layer_params(offset: int, sink_size: int, recent_budget: int, valid: int, ca
 
 class GroupPlan:
     """The group fold for fixed shapes and settings. MLX's build is launched
-    directly: with ~80 inputs and ~40 outputs, mx.compile's replay cost more
-    host time than the kernel call (H100, session 7). Ours (kernels/cubin.py)
+    directly: with ~80 inputs and (then) ~40 outputs, mx.compile's replay
+    cost more host time than the kernel call (H100, session 7). Ours (kernels/cubin.py)
     replays its first call's recording (``native.Replay``; mx.compile where
     the native helper is missing), which converts the cubin and the ~80
     shape scalars once: launched directly it cost 0.03-0.08 ms a token more
