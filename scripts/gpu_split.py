@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_kernels import cuda_kernel_times  # noqa: E402
 from gpu_cache_check import (  # noqa: E402
-    mlx_built, mlx_fold, prefill, victim_outputs, without_groups,
+    _outputs_plan, mlx_built, mlx_fold, prefill, victim_outputs, without_groups,
 )
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache  # noqa: E402
 import mlx_h2o  # noqa: E402
@@ -328,8 +328,10 @@ def fold_probe(layers=36, M=256, reps=20, bits=None, kernel="mlx", compiled=Fals
     """Build, dispatch and wait ms (idle GPU) of one token's group fold over
     ``layers`` layers (kernels/group_fold.py; ``bits``: packed K/V), chained as
     in decode, and the first call's (build included); ``kernel`` and
-    ``compiled`` as fold_launch. ``same``: the first call's outputs equal
-    those of MLX's build launched directly."""
+    ``compiled`` as fold_launch, or ``kernel`` "library" (the plan's own
+    launch: our cubin replayed by the native tape) or "outputs" (the same
+    with a victim output a layer, before session 23). ``same``: the first
+    call's outputs equal those of MLX's build launched directly."""
     B, Hq, Hk, D, dt, offset = 1, 32, 8, 128, mx.bfloat16, 5000
     qs = [mx.random.normal((B, Hq, 1, D)).astype(dt) for _ in range(layers)]
     keys = [mx.random.normal((B, Hk, M, D)).astype(dt) for _ in range(layers)]
@@ -342,8 +344,14 @@ def fold_probe(layers=36, M=256, reps=20, bits=None, kernel="mlx", compiled=Fals
     lay_i = mx.array([layer_params(offset, 4, M // 2, M, M)] * layers, dtype=mx.int32)
     lay_f = mx.array([[D ** -0.5, 0.95, 0.05, 0.0]] * layers, mx.float32)
     mx.eval(qs, keys, pos, score, count, slot, lay_i, lay_f)
-    plan = group_plan(layers, B, Hq, Hk, D, dt, M, "accumulated", (), bits, 64)
-    launch, same = fold_launch(plan, kernel, compiled), None
+    key = (layers, B, Hq, Hk, D, dt, M, "accumulated", (), bits, 64)
+    plan, same = group_plan(*key), None
+    if kernel == "library":  # as the caches launch it: our cubin, the native tape
+        launch = plan._run
+    elif kernel == "outputs":  # the same with an output a layer (before session 23)
+        launch = _outputs_plan(*key)._run
+    else:
+        launch = fold_launch(plan, kernel, compiled)
     builds, disps, waits = [], [], []
     for r in range(reps):
         mx.synchronize()
@@ -368,7 +376,9 @@ def fold_probe(layers=36, M=256, reps=20, bits=None, kernel="mlx", compiled=Fals
 
 
 # MLX's build first: the cubin variants check their outputs against it.
-FOLD_LAUNCHES = [("mlx", False), ("mlx", True), ("cubin", False), ("cubin", True)]
+FOLD_LAUNCHES = [("mlx", False), ("mlx", True), ("cubin", False), ("cubin", True),
+                 ("library", False), ("outputs", False), ("library", False),
+                 ("outputs", False)]
 
 
 def best_wall(rs):
