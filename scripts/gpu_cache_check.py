@@ -169,15 +169,16 @@ def mlx_fold(cfg, model):
     session 18) instead of our cubin under mx.compile, for an A/B in one run."""
     cache = make_h2o_cache(model, cfg)
     for group in {id(c._group): c._group for c in cache if c._group is not None}.values():
-        group._fold_kernel = functools.partial(_mlx_built, group._fold_kernel)
+        group._fold_kernel = functools.partial(_with_plan, _mlx_plan, group._fold_kernel)
     return cache
 
 
 GROUP_PLAN = group_fold_mod.group_plan  # the library's (our cubin where it builds)
 
 
-def _mlx_built(fold_kernel, *args):
-    group_fold_mod.group_plan = _mlx_plan
+def _with_plan(make_plan, fold_kernel, *args):
+    """``fold_kernel(*args)`` with group plans made by ``make_plan``."""
+    group_fold_mod.group_plan = make_plan
     try:
         return fold_kernel(*args)
     finally:
@@ -219,14 +220,6 @@ $VSELECT
     }
   }
 """
-
-
-def _with_plan(make_plan, fold_kernel, *args):
-    group_fold_mod.group_plan = make_plan
-    try:
-        return fold_kernel(*args)
-    finally:
-        group_fold_mod.group_plan = GROUP_PLAN
 
 
 @functools.lru_cache(maxsize=None)

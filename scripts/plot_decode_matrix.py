@@ -53,29 +53,34 @@ def main(argv=None) -> int:
             print(f"{entry!r}: want LABEL=GLOB matching gpu_split.py logs", file=sys.stderr)
             return 2
         data[label] = dict(ratios(path) for path in paths)
+    figure(data, args.title).savefig(args.out, dpi=110)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def figure(data: dict, title: str):
+    """A panel per target, a bar per (context / budget, label); prints the values."""
     cells = sorted({cell for runs in data.values() for cell in runs})
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4), sharey=True)
     width = 0.8 / len(data)
-    for ax, (strategy, _, target, title) in zip(axes, PANELS):
+    for ax, (strategy, _, target, panel) in zip(axes, PANELS):
         for i, (label, runs) in enumerate(data.items()):
             xs = [j + i * width for j, cell in enumerate(cells) if strategy in runs.get(cell, {})]
             ys = [runs[cell][strategy] for cell in cells if strategy in runs.get(cell, {})]
             ax.bar(xs, ys, width, label=label)
             for x, y in zip(xs, ys):
-                print(f"{title}: {label} {cells[round(x - i * width)]} {y:.3f}")
+                print(f"{panel}: {label} {cells[round(x - i * width)]} {y:.3f}")
         ax.axhline(target, color="k", linestyle="--", linewidth=1)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cells))])
         ax.set_xticklabels([f"{c // 1024 or c}{'K' if c >= 1024 else ''} / {b}"
                             for c, b in cells], rotation=30)
-        ax.set_title(title, fontsize=10)
+        ax.set_title(panel, fontsize=10)
         ax.set_ylim(0.7, 1.2)
     axes[0].set_ylabel("tok/s ratio (dashed: target)")
     axes[0].legend(fontsize=8)
-    fig.suptitle(args.title)
+    fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
-    print(f"wrote {args.out}")
-    return 0
+    return fig
 
 
 if __name__ == "__main__":
