@@ -97,3 +97,30 @@ def test_metal_variants_fit_metals_buffer_table(shape):
         n = len(metal_check.buffer_args(k))
         assert (n > METAL_BUFFERS) == _avoided_on_metal(k.label), (k.label, n)
     assert quantized_gpu.MAX_SEGMENTS["metal"] == 1
+
+
+def _shared_depths(text: str):
+    """Brace depth of each ``H2O_SHARED`` (threadgroup) declaration in ``text``."""
+    import re
+
+    depth, out = 0, []
+    for m in re.finditer(r"[{}]|\bH2O_SHARED\b(?!\s+threadgroup)", re.sub(r"//[^\n]*", "", text)):
+        if m.group(0) == "{":
+            depth += 1
+        elif m.group(0) == "}":
+            depth -= 1
+        else:
+            out.append(depth)
+    return out
+
+
+def test_threadgroup_memory_is_declared_at_kernel_scope():
+    """Metal takes threadgroup variables in a kernel function, not at program
+    scope or in helper functions: every Metal variant declares them in its
+    body's outermost scope, none in its header (which only defines the macro)."""
+    kernels = metal_check.kernels(128, 4, 8, 1)
+    assert sum(len(_shared_depths(k.body)) for k in kernels) > 100
+    for k in kernels:
+        assert set(_shared_depths(k.body)) <= {0}, k.label
+        assert _shared_depths(k.header) == [], k.label
+    assert _shared_depths("{ H2O_SHARED float x[4]; }") == [1]  # the check can fail
