@@ -65,8 +65,10 @@ for step in "$@"; do
     realmodel)  # the decode benchmark on the carried real model (after "model")
       split_runs "256:256 4096:256 4096:1024 16384:1024" real 0 --model /root/model --steps 64 ;;
     vout)  # session 23: the group fold's victims as slices (h2o) or an output a layer
-      strategies="rotating h2o h2o_victim_outputs"
-      split_runs "4096:256 16384:1024 4096:256" vout 150 --steps 32 ;;
+      saved=$strategies strategies="rotating h2o h2o_victim_outputs"
+      split_runs "4096:256 16384:1024" vout 150 --steps 32
+      split_runs "4096:256" vout_again 150 --steps 32
+      strategies=$saved ;;
     fcheck)  # the fold and fused-step sections of gpu_check (masked runs too)
       timeout 400 python3 scripts/gpu_check.py --skip-attention --fused-steps 100 2>&1 \
         | tee "$OUT/check_fused.log" | grep -v ": ok$" || status=1 ;;

@@ -42,9 +42,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_kernels import cuda_kernel_times  # noqa: E402
-from gpu_cache_check import (  # noqa: E402
-    _outputs_plan, mlx_built, mlx_fold, prefill, victim_outputs, without_groups,
-)
+from fold_variants import _outputs_plan, mlx_built, mlx_fold, victim_outputs  # noqa: E402
+from gpu_cache_check import prefill, without_groups  # noqa: E402
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache  # noqa: E402
 import mlx_h2o  # noqa: E402
 from mlx_h2o import H2OConfig, make_h2o_cache  # noqa: E402

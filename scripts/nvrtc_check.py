@@ -133,7 +133,8 @@ def constants(kind: str, kw: dict, dtype: str, D: int, G: int, HK: int, L: int):
         return [("G", G), ("HK", HK), ("D", 1), ("MODE", 0)]
     if kind == "group":  # group_fold.GroupPlan (quantized: 4-bit codes, groups of 64)
         q = kw.get("quantized", False)
-        t = [("T", dtype), ("D", D), ("G", G), ("HK", HK), ("NB", 1), ("MODE", 0)]
+        t = [("T", dtype), ("D", D), ("G", G), ("HK", HK), ("NB", 1), ("MODE", 0),
+             ("VD", 1 if q else D)]
         return t + ([("BITS", 4), ("GS", 64)] if q else [])
     fused = kw.get("fused", kind not in ("pass1", "pass2", "pass1mma"))
     L = 1 if fused else L  # the fused step has one query

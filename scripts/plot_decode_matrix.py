@@ -32,7 +32,11 @@ PANELS = [
 def ratios(path: str) -> tuple:
     """((context, budget), {strategy: tok/s ratio to its base}) of one log."""
     with open(path) as f:
-        run = json.loads(f.read().strip().splitlines()[-1])
+        lines = f.read().strip().splitlines()
+    try:
+        run = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise SystemExit(f"{path}: no final JSON line (a gpu_split.py run cut short?)")
     rows = run["rows"]
     out = {s: statistics.median(b["wall"] / x["wall"] for x, b in zip(rows[s], rows[base]))
            for s, base, _, _ in PANELS if s in rows and base in rows}

@@ -96,7 +96,7 @@ def pass1_source(backend: str, mask: str, sinks: bool, split: bool, fused: bool)
     header, ids = _prelude(backend)
     tail = ""
     if fused and not split:
-        tail = src.FOLD_PASS1_LSE + Template(src.FOLD).substitute(NV="N", NS="NS")
+        tail = src.FOLD_PASS1_LSE + Template(src.FOLD).substitute(NV="N", NS="NS", VW="D")
     body = Template(src.PASS1).substitute(
         IDS=ids,
         MASK_SETUP=src.MASK_SETUP if mask in ("bool", "add") else "",
@@ -149,7 +149,8 @@ def pass2_source(backend: str, sinks: bool, fused: bool):
         FUSED_ROWS=f"  constexpr bool FUSED_ROWS = {'true' if fused else 'false'};",
         SINK_MAX=src.SINK_MAX_PASS2 if sinks else "",
         SINK_SUM=src.SINK_SUM_PASS2 if sinks else "",
-        TAIL=Template(src.FOLD).substitute(NV="prm_i[5]", NS="logits_shape[3]") if fused else "",
+        TAIL=Template(src.FOLD).substitute(NV="prm_i[5]", NS="logits_shape[3]",
+                                          VW="D") if fused else "",
     )
     return header, body
 
@@ -162,7 +163,7 @@ def fold_names():
 def fold_source(backend: str):
     """(header, body) of the fold-only kernel (score fold + next victim)."""
     header, ids = _prelude(backend)
-    tail = Template(src.FOLD).substitute(NV="prm_i[5]", NS="logits_shape[3]")
+    tail = Template(src.FOLD).substitute(NV="prm_i[5]", NS="logits_shape[3]", VW="D")
     return header, Template(src.FOLD_ONLY).substitute(IDS=ids, TAIL=tail)
 
 
@@ -314,7 +315,7 @@ def group_source(backend: str, n_layers: int, quantized: bool = False):
         kload = src.GROUP_LOAD_DENSE
     body = Template(src.GROUP_FOLD).substitute(
         IDS=ids, KSETUP=ksetup.strip("\n"), KLOAD=kload.strip("\n"), QSELECT=select("q"),
-        FOLD=Template(src.FOLD).substitute(NV="prm_i[5]", NS="pos_in_shape[2]"),
+        FOLD=Template(src.FOLD).substitute(NV="prm_i[5]", NS="pos_in_shape[2]", VW="VD"),
     )
     return header, body
 

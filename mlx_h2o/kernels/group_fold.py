@@ -31,11 +31,12 @@ class GroupFold(NamedTuple):
     positions: mx.array  # (n * B, Hk, M) int32, each layer's token slot set
     score: mx.array  # (n * B, Hk, M) float32, the step folded in
     count: mx.array  # (n * B, Hk, M) float32
-    victim: mx.array  # (n * B, Hk, 1, D) int32: every layer's next slot, stacked
+    victim: mx.array  # (n * B, Hk, 1, D) int32 (packed K/V: (n * B, Hk, 1, 1)):
+    #                   every layer's next slot, stacked
     logits: mx.array  # (n * B, Hq, M) float32, slots < valid of each layer
     lay_i: mx.array  # (n, 8) int32: ``lay_i`` of the next token (offset + 1)
-    victims: List[mx.array]  # n x (B, Hk, 1, D) int32 (dense; (B, Hk, 1, 1) for
-    #                          triples): views of ``victim``, one per layer
+    victims: List[mx.array]  # n x (B, Hk, 1, D) int32 (packed: (B, Hk, 1, 1)):
+    #                          row views of ``victim``, one per layer
 
 
 def max_layers() -> int:
@@ -77,7 +78,7 @@ class GroupPlan:
         # Victims repeat along D for dense writes; packed ones take (B, Hk, 1, 1).
         self.VD = 1 if quantized else D
         self.template = [("T", dtype), ("D", D), ("G", Hq // Hk), ("HK", Hk), ("NB", B),
-                         ("MODE", SCORE_MODES.index(mode))]
+                         ("MODE", SCORE_MODES.index(mode)), ("VD", self.VD)]
         if quantized:
             self.template += [("BITS", bits), ("GS", group_size)]
         self.pins = _pins(pinned)
@@ -89,20 +90,20 @@ class GroupPlan:
         return GroupFold(*res[:6], list(res[6:]))
 
     def _launch(self, *arrays):
-        n, B, Hq, Hk, D, M = self.n, self.B, self.Hq, self.Hk, self.D, self.M
+        n, B, Hq, Hk, M, VD = self.n, self.B, self.Hq, self.Hk, self.M, self.VD
         qs, keys, (lay_i, lay_f, pos, sc, cn, slot) = arrays[:n], arrays[n:2 * n], arrays[2 * n:]
         i32, f32 = mx.int32, mx.float32
         outs = self.kernel(
             inputs=[*qs, *keys, lay_i, lay_f, pos, sc, cn, slot, self.pins],
             template=self.template, grid=(n * B * Hk * NT, 1, 1), threadgroup=(NT, 1, 1),
-            output_shapes=[(n * B, Hk, M)] * 3 + [(n * B, Hk, 1, D), (n * B, Hq, M), (n, 8)],
+            output_shapes=[(n * B, Hk, M)] * 3 + [(n * B, Hk, 1, VD), (n * B, Hq, M), (n, 8)],
             output_dtypes=[i32, f32, f32, i32, f32, i32],
         )
-        # Each layer's victim as a view of the stacked one (a slice node, no
-        # copy): a kernel output per layer cost more host time, each output
-        # holding its own copy of the ~80 inputs (docs/GPU.md, "Session 23").
-        victim = outs[3] if self.VD == D else outs[3][..., :self.VD]
-        return (*outs, *(victim[i * B:(i + 1) * B] for i in range(n)))
+        # Each layer's victim as a view of the stacked one (rows: a slice node,
+        # no copy, row-contiguous as the write kernels take it): a kernel
+        # output per layer cost more host time, each output holding its own
+        # copy of the ~80 inputs (docs/GPU.md, "Session 23").
+        return (*outs, *(outs[3][i * B:(i + 1) * B] for i in range(n)))
 
 
 @lru_cache(maxsize=16)

@@ -9,7 +9,7 @@ from .build import (
     SCORE_MODES, _make_fold_kernel, _make_pass1_kernel, _make_pass1_precompiled,
     _make_pass2_kernel, _make_pass2_precompiled,
 )
-from .build import gpu_backend
+from .build import device_backend, gpu_backend
 from .. import native
 from . import decode
 from .decode import NT, MAX_SPLITS, Mask, choose_splits, layout, mask_mode
@@ -110,7 +110,7 @@ class StepPlan:
         # On Metal the one-pass kernel with an array mask binds 32-33 buffers,
         # past the 31 of a kernel's argument table (tests/test_metal_check.py):
         # such steps take the two passes, which fit.
-        self.min_splits = 2 if kind in ("bool", "add") and gpu_backend() == "metal" else 1
+        self.min_splits = 2 if kind in ("bool", "add") and device_backend() == "metal" else 1
         # A full cache (N == cap) calls with the same shapes every step: a
         # recorded launch replays its graph instead of rebuilding the kernel
         # call (~35 us of host time per call on the H100, docs/GPU.md). Its

@@ -683,9 +683,10 @@ FOLD = r"""
       }
       victim_s = best_s;
     }
-    // Repeated along D: the victim indexes the next step's K/V writes as is.
+    // Repeated along its width VW: the victim indexes the next step's K/V
+    // writes as is (D wide for dense K/V, 1 for packed).
     H2O_BARRIER();
-    for (int i = tid; i < D; i += NT) victim[(i64)(b * HK + hk) * D + i] = victim_s;
+    for (int i = tid; i < $VW; i += NT) victim[(i64)(b * HK + hk) * $VW + i] = victim_s;
   }
 """
 

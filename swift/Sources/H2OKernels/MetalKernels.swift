@@ -34,7 +34,7 @@ public enum MetalKernels {
             split
             ? ["logits", "part_o", "part_ml"]
             : ["out", "logits", "lse"] + (fused ? ["pos_out", "score_out", "count_out", "victim"] : [])
-        let tail = fused && !split ? p["FOLD_PASS1_LSE"]! + substitute(p["FOLD"]!, ["NV": "N", "NS": "NS"]) : ""
+        let tail = fused && !split ? p["FOLD_PASS1_LSE"]! + substitute(p["FOLD"]!, ["NV": "N", "NS": "NS", "VW": "D"]) : ""
         let body = substitute(
             p["PASS1"]!,
             [
@@ -69,7 +69,7 @@ public enum MetalKernels {
                 "FUSED_ROWS": "  constexpr bool FUSED_ROWS = \(fused ? "true" : "false");",
                 "SINK_MAX": sinks ? p["SINK_MAX_PASS2"]! : "",
                 "SINK_SUM": sinks ? p["SINK_SUM_PASS2"]! : "",
-                "TAIL": fused ? substitute(p["FOLD"]!, ["NV": "prm_i[5]", "NS": "logits_shape[3]"]) : "",
+                "TAIL": fused ? substitute(p["FOLD"]!, ["NV": "prm_i[5]", "NS": "logits_shape[3]", "VW": "D"]) : "",
             ])
         return variant("h2o_attn2_\(bit(sinks))\(bit(fused))", inputs, outputs, p["METAL_HEADER"]!, body)
     }
