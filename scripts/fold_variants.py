@@ -60,7 +60,7 @@ def victim_outputs(cfg, model):
     library's, for an A/B of the fold's host cost in one run."""
     cache = make_h2o_cache(model, cfg)
     for group in {id(c._group): c._group for c in cache if c._group is not None}.values():
-        group._fold_kernel = functools.partial(_with_plan, _outputs_plan, group._fold_kernel)
+        group._fold_kernel = functools.partial(_with_plan, outputs_plan, group._fold_kernel)
     return cache
 
 
@@ -78,7 +78,7 @@ $VSELECT
 
 
 @functools.lru_cache(maxsize=None)
-def _outputs_plan(*args):
+def outputs_plan(*args):
     plan = copy.copy(GROUP_PLAN(*args))
     n, B, Hq, Hk, M, VD = plan.n, plan.B, plan.Hq, plan.Hk, plan.M, plan.VD
     quantized, i32, f32 = VD == 1, mx.int32, mx.float32

@@ -99,7 +99,7 @@ def step_differs(mode: str, got, want) -> Optional[str]:
     agree: outputs within their dtype's rounding, the metadata as for a
     group fold; else what differed."""
     out, ref = (np.array(x.out.astype(mx.float32)) for x in (got, want))
-    eps = {mx.float16: 2.0 ** -10, mx.bfloat16: 2.0 ** -7}.get(got.out.dtype, 1e-5)
+    eps = EPS.get(got.out.dtype, 1e-5)
     if not np.allclose(out, ref, rtol=eps, atol=eps * np.abs(ref).max(initial=1.0)):
         return "outputs differ"
     return fold_differs(mode, got, want)

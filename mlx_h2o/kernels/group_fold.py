@@ -64,12 +64,12 @@ def layer_params(offset: int, sink_size: int, recent_budget: int, valid: int, ca
 class GroupPlan:
     """The group fold for fixed shapes and settings. MLX's build is launched
     directly: with ~80 inputs and (then) ~40 outputs, mx.compile's replay
-    cost more host time than the kernel call (H100, session 7). Ours (kernels/cubin.py)
-    replays its first call's recording (``native.Replay``; mx.compile where
-    the native helper is missing), which converts the cubin and the ~80
-    shape scalars once: launched directly it cost 0.03-0.08 ms a token more
-    than MLX's build, compiled about the same (H200, `scripts/gpu_split.py
-    --ops-only`, docs/GPU.md sessions 18 and 20)."""
+    cost more host time than the kernel call (H100, session 7). Ours
+    (kernels/cubin.py) replays its first call's recording (``native.Replay``;
+    mx.compile where the native helper is missing), which converts the cubin
+    and the ~80 shape scalars once: launched directly it cost 0.03-0.08 ms a
+    token more than MLX's build, compiled about the same (H200,
+    `scripts/gpu_split.py --ops-only`, docs/GPU.md sessions 18 and 20)."""
 
     def __init__(self, n, B, Hq, Hk, D, dtype, M, mode, pinned, bits=None, group_size=64):
         self.n, self.B, self.Hq, self.Hk, self.D, self.M = n, B, Hq, Hk, D, M

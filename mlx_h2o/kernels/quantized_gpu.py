@@ -12,9 +12,10 @@ owns one query row (sequence, query head, query) and 256 threads:
    back from the logits just written; partial rows summed across warps.
 
 K/V come as up to two segments of slots (mixed precision; one on Metal,
-``MAX_SEGMENTS``), each at its own bit width; slot order is segment 0 then segment 1, like the reference. The
-slot count of each segment is read from its array's shape and strides are
-read from the arrays, so the cache's slices go in without a copy.
+``MAX_SEGMENTS``), each at its own bit width; slot order is segment 0 then
+segment 1, like the reference. The slot count of each segment is read from
+its array's shape and strides are read from the arrays, so the cache's
+slices go in without a copy.
 """
 
 import hashlib
