@@ -68,10 +68,12 @@ class StepGroup:
         kind = getattr(cache.kv, "group_kind", None)
         sig = (queries.shape, queries.dtype, cache._positions.shape[1], kind,
                mx.default_device())
-        if self._sig is None:
+        known = self._sig
+        if known is None:
             kernel = kind is not None and self._kernel_runs(queries, sig[2], kind)
-            self._sig = (sig, kind is not None and (kernel or self.use_kernel is False), kernel)
-        return self._sig[:2] == (sig, True)
+            self._sig = known = (sig, kind is not None and (kernel or self.use_kernel is False),
+                                 kernel)
+        return known[1] and known[0] == sig
 
     def push(self, cache, queries: mx.array, scale: float, out: mx.array) -> mx.array:
         """``cache`` wrote its token into ``cache._slot`` and attended (``out``):

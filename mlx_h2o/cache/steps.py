@@ -61,8 +61,8 @@ class DecodeSteps:
         # The evicting steady state: the token went into a victim slot of a
         # full cache, nothing masks the step. group_steps = False on a member
         # takes it out at its next step.
-        return (self.group_steps and self._slot is not None and mask is None and sinks is None
-                and self.use_fused_step and self._n == self.max_size
+        return (self._slot is not None and mask is None and sinks is None and self.group_steps
+                and self.use_fused_step and self._n == self.config.max_size
                 and self.window_size is None and self._group.takes(self, queries))
 
     def _leave_group(self):
