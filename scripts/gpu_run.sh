@@ -1,7 +1,7 @@
 #!/bin/sh
 # One device call: install MLX CUDA (if given), then check and time the kernels.
 #
-#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|vout|perlayer|fcheck|steplanes|ab|tune|tpk8|tpk16|variants|mma|hostprobe|graphs|gfold|fprobe|gfold_ab|pytest|tests|sweep|qfold|qtile|matrix|model|realmodel|ptx]...
+#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|vout|perlayer|fastpath|fcheck|steplanes|ab|tune|tpk8|tpk16|variants|mma|hostprobe|graphs|gfold|fprobe|gfold_ab|pytest|tests|sweep|qfold|qtile|matrix|model|realmodel|ptx]...
 #
 # "install" expects .gpu/part1 already copied to /root/mlxw (previous call) and
 # .gpu/part2 and .gpu/lib (mlx_lm) carried now; "ensure" reuses a warm install.
@@ -72,6 +72,10 @@ for step in "$@"; do
     perlayer)  # session 24: the per-layer fused step (no group) against the group
       saved=$strategies strategies="rotating h2o h2o_per_layer"
       split_runs "4096:256 16384:1024 256:256 4096:1024" perlayer 150 --steps 32
+      strategies=$saved ;;
+    fastpath)  # session 24: the steady state's fast path against the general path
+      saved=$strategies strategies="rotating h2o h2o_general_path"
+      split_runs "4096:256 16384:1024 256:256 4096:1024" fastpath 150 --steps 32
       strategies=$saved ;;
     fcheck)  # the fold and fused-step sections of gpu_check (masked runs too)
       timeout 400 python3 scripts/gpu_check.py --skip-attention --fused-steps 100 2>&1 \

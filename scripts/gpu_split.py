@@ -155,6 +155,9 @@ def strategies(model, context, budget):
         "h2o_victim_outputs": lambda: victim_outputs(cfg, model),
         # diagnostics (wrong results): no fold launch / slice updates for scatters
         "h2o_fixed_victims": lambda: fixed_victims(make_h2o_cache(model, cfg)),
+        # session 24: without the steady state's fast path (the general path's checks)
+        "h2o_general_path": lambda: with_attrs(make_h2o_cache(model, cfg),
+                                               _into_victim=lambda keys: False),
         "h2o_slot0": lambda: slot0_writes(make_h2o_cache(model, cfg)),
         # mlx-lm's own: opt-in, MLX 0.32's CUDA quantized_matmul has no kernel
         # for 4097 keys, so it fails at the first decode step after prefill
