@@ -108,6 +108,29 @@ def fixed_victims(cache):
     return cache
 
 
+def unheld_keys(cache):
+    """Diagnostic (wrong decisions, timing only): the group fold reads one
+    fixed zero K buffer per layer instead of the layer's own, so no launch
+    holds a layer's K buffer past its own token's SDPA. With ``h2o`` and
+    ``h2o_fixed_victims``: whether the fold's hold on every K buffer (until
+    its token has run on the GPU) keeps the next token's victim writes from
+    donating them (each then copies its buffer)."""
+    for c in cache:
+        base = type(c.kv)
+
+        class Unheld(base):
+            @property
+            def group_keys(self):
+                held = getattr(self, "_zeros", None)
+                if held is None or held.shape != self.keys.shape:
+                    self._zeros = held = mx.zeros(self.keys.shape, self.keys.dtype)
+                    mx.eval(held)
+                return held
+
+        c.kv.__class__ = Unheld
+    return cache
+
+
 def slot0_writes(cache):
     """Diagnostic (wrong contents, timing only): each victim write is a slice
     update of slot 0, as RotatingKVCache writes, instead of two scatters."""
@@ -159,6 +182,7 @@ def strategies(model, context, budget):
         "h2o_general_path": lambda: with_attrs(make_h2o_cache(model, cfg),
                                                _into_victim=lambda keys: False),
         "h2o_slot0": lambda: slot0_writes(make_h2o_cache(model, cfg)),
+        "h2o_unheld_keys": lambda: unheld_keys(make_h2o_cache(model, cfg)),
         # mlx-lm's own: opt-in, MLX 0.32's CUDA quantized_matmul has no kernel
         # for 4097 keys, so it fails at the first decode step after prefill
         "qkv8": lambda: [QuantizedKVCache(group_size=64, bits=8) for _ in range(n)],

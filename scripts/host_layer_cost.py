@@ -1,7 +1,7 @@
 """Host time per decode token of H2O's decode paths vs mlx-lm's caches.
 
     python scripts/host_layer_cost.py [--path evict|fill] [--layers 36] [--budget 256]
-        [--steps 200] [--rounds 5]
+        [--steps 200] [--rounds 5] [--profile]
 
 No model: each strategy runs ``--layers`` caches (Qwen3-8B heads: 32 / 8, D=128),
 one decode token each per step, and times building the token's graph (the
@@ -15,11 +15,16 @@ cache/deferred.py) against KVCache; the queue folds every ``defer_steps``
 tokens on the same token in every layer, so the median token has none (the
 fold's own cost is scripts/bench_queue_fold.py's). Runs on any backend;
 rounds alternate the strategies; medians per round and a final JSON line.
+``--profile``: then one more round of each strategy under cProfile, its
+functions by own time (where a host's extra time per layer goes).
 """
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -137,6 +142,17 @@ def us_per_token(make, token, layers, budget, steps):
     return statistics.median(times[8:]) * 1e6
 
 
+def profiled(make, token, layers, budget, steps, top=18) -> str:
+    """The functions of ``steps`` tokens by own time, under cProfile."""
+    prof = cProfile.Profile()
+    prof.enable()
+    us_per_token(make, token, layers, budget, steps)
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--path", choices=sorted(PATHS), default="evict")
@@ -144,6 +160,7 @@ def main():
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--profile", action="store_true", help="then a cProfile of each strategy")
     a = p.parse_args()
     print(f"mlx {mx.__version__} device {mx.default_device()} path={a.path} "
           f"layers={a.layers} budget={a.budget}")
@@ -160,6 +177,9 @@ def main():
           f"{diff:.1f} us/token, {diff / a.layers:.2f} per layer")
     print(json.dumps({"path": a.path, "layers": a.layers, "budget": a.budget,
                       "us_per_token": rows}))
+    for name, make, token in order if a.profile else ():
+        print(f"--- cProfile: {name}, {a.steps} tokens")
+        print(profiled(make, token, a.layers, a.budget, a.steps))
 
 
 if __name__ == "__main__":

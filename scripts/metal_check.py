@@ -14,8 +14,9 @@ error here as it is in Metal.
 
 What it catches: syntax, undeclared names, type and template errors, address
 space mismatches, in the shared body as the Metal prelude expands it. What it
-cannot: Metal-only rules the stand-ins do not model (for instance which
-builtins take which types), code generation, and anything at run time.
+cannot: Metal-only rules the stand-ins do not model (they model which types
+the SIMD shuffles take, not every builtin's), code generation, and anything
+at run time.
 
     .venv/bin/python scripts/metal_check.py [--only SUBSTRING] [--dtypes float16,...]
         [--shape D,G,HK,L] [--dump FILE] [--cxx clang++]
@@ -65,6 +66,7 @@ PRELUDE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #define __METAL_VERSION__ 310
 #define device __attribute__((address_space(1)))
 #define constant __attribute__((address_space(2)))
@@ -81,8 +83,23 @@ inline mem_flags operator|(mem_flags a, mem_flags b) {
   return mem_flags(int(a) | int(b));
 }
 void threadgroup_barrier(mem_flags);
-template <typename T> T simd_shuffle_xor(T x, ushort mask);
-template <typename T> T simd_shuffle(T x, ushort lane);
+// Metal's SIMD shuffles take 8- to 32-bit integers, half and float (and
+// vectors of them): no bool, no 64-bit type, and bfloat16_t only where MLX's
+// bfloat is Metal's own (MSL 3.1; elsewhere MLX's struct). Any other T has
+// no overload here, as it has none (or not on every Mac) there.
+template <typename T> struct shuffles : std::false_type {};
+template <> struct shuffles<float> : std::true_type {};
+template <> struct shuffles<half> : std::true_type {};
+template <> struct shuffles<int> : std::true_type {};
+template <> struct shuffles<uint> : std::true_type {};
+template <> struct shuffles<short> : std::true_type {};
+template <> struct shuffles<ushort> : std::true_type {};
+template <> struct shuffles<char> : std::true_type {};
+template <> struct shuffles<unsigned char> : std::true_type {};
+template <typename T, typename = std::enable_if_t<shuffles<T>::value>>
+T simd_shuffle_xor(T x, ushort mask);
+template <typename T, typename = std::enable_if_t<shuffles<T>::value>>
+T simd_shuffle(T x, ushort lane);
 template <typename T> T min(T a, T b);
 template <typename T> T max(T a, T b);
 float fabs(float x);

@@ -4,7 +4,8 @@ No Metal compiler runs here: every Metal variant is wrapped as MLX's
 metal_kernel writes it and type-checked as C++ with Metal's address spaces
 modelled, for several head dims, GQA ratios and query counts. The checker
 itself must reject a wrong kernel (an address-space mix-up, a dependent type
-error), or a pass would mean nothing.
+error, a SIMD shuffle of a type Metal does not shuffle), or a pass would
+mean nothing.
 """
 
 import os
@@ -46,11 +47,25 @@ def test_checker_rejects_wrong_kernels():
     space = _kernel("  const device float* p = prm_f;\n  out[tid] = static_cast<T>(p[0]);")
     # Only wrong once T is known: the instantiation is checked too.
     dependent = _kernel("  typename T::missing x;\n  out[tid] = q[tid];")
+    # Metal shuffles no bool, no 64-bit type, no bfloat16_t on every Mac.
+    shuffles = _kernel("  float x = H2O_SHFL_XOR(float(q[tid]), 1);\n"
+                       "  uint u = H2O_SHFL(uint(tid), 0);\n  out[tid] = static_cast<T>(x + u);")
+    shuffled_bool = _kernel("  bool b = H2O_SHFL_XOR(q[tid] > T(0), 1);\n"
+                            "  out[tid] = static_cast<T>(b);")
+    shuffled_long = _kernel("  int64_t i = H2O_SHFL(int64_t(tid), 0);\n"
+                            "  out[tid] = static_cast<T>(i);")
+    shuffled_t = _kernel("  out[tid] = H2O_SHFL_XOR(q[tid], 1);")
     progs = [("ok", metal_check.wrap(ok, "float16", "h2o_metal_0")),
              ("space", metal_check.wrap(space, "float16", "h2o_metal_1")),
-             ("dependent", metal_check.wrap(dependent, "bfloat16", "h2o_metal_2"))]
+             ("dependent", metal_check.wrap(dependent, "bfloat16", "h2o_metal_2")),
+             ("shuffles", metal_check.wrap(shuffles, "float16", "h2o_metal_3")),
+             ("bool", metal_check.wrap(shuffled_bool, "float32", "h2o_metal_4")),
+             ("long", metal_check.wrap(shuffled_long, "float32", "h2o_metal_5")),
+             ("half", metal_check.wrap(shuffled_t, "float16", "h2o_metal_6")),
+             ("bfloat", metal_check.wrap(shuffled_t, "bfloat16", "h2o_metal_7"))]
     failed = dict(metal_check.check(CXX, progs))
-    assert set(failed) == {"space", "dependent"}
+    assert set(failed) == {"space", "dependent", "bool", "long", "bfloat"}
+    assert all("no matching function" in failed[k] for k in ("bool", "long", "bfloat"))
     assert "'constant float const *'" in failed["space"]
     assert "'__bf16' cannot be used prior to '::'" in failed["dependent"]
 
