@@ -1,7 +1,7 @@
 #!/bin/sh
 # One device call: install MLX CUDA (if given), then check and time the kernels.
 #
-#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|vout|perlayer|fastpath|fcheck|steplanes|ab|tune|tpk8|tpk16|variants|mma|hostprobe|graphs|gfold|fprobe|gfold_ab|pytest|tests|sweep|qfold|qtile|matrix|model|realmodel|ptx]...
+#   sh scripts/gpu_run.sh [install|ensure] [quick|full|bench|vout|perlayer|fastpath|finematrix|finematrix16k|fcheck|steplanes|ab|tune|tpk8|tpk16|variants|mma|hostprobe|graphs|gfold|fprobe|gfold_ab|pytest|tests|sweep|qfold|qtile|matrix|model|realmodel|ptx]...
 #
 # "install" expects .gpu/part1 already copied to /root/mlxw (previous call) and
 # .gpu/part2 and .gpu/lib (mlx_lm) carried now; "ensure" reuses a warm install.
@@ -13,14 +13,15 @@ export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1  # mlx + mlx_lm live in /ro
 status=0
 
 # gpu_split.py over context:budget PAIRS, $strategies (default: the issue's),
-# a log each as $OUT/PREFIX_context_budget.log; LIMIT seconds a run (0: none);
-# ARGS follow.
+# $rounds rounds, a log each as $OUT/PREFIX_context_budget.log; LIMIT seconds a
+# run (0: none); ARGS follow.
 strategies="kvcache rotating h2o_no_evict h2o h2o_batch64"
+rounds=6
 split_runs() {
   pairs=$1 prefix=$2 limit=$3
   shift 3
   for cb in $pairs; do
-    timeout "$limit" python3 scripts/gpu_split.py "$@" --no-trace --pin 5 --rounds 6 \
+    timeout "$limit" python3 scripts/gpu_split.py "$@" --no-trace --pin 5 --rounds $rounds \
       --context ${cb%:*} --budget ${cb#*:} --strategies $strategies \
       2>&1 | tee "$OUT/${prefix}_${cb%:*}_${cb#*:}.log" \
       | grep -v "^round\|^{" || status=1
@@ -62,6 +63,15 @@ for step in "$@"; do
     matrix)  # the decode matrix, Qwen3-8B shapes (session 22): contexts
              # 256-16K, budgets 256 / 1K, every strategy, one process each
       split_runs "256:256 4096:256 4096:1024 16384:256 16384:1024" split 105 --steps 32 ;;
+    finematrix)  # the matrix interleaved finer (session 24): 40 rounds of 8 tokens a
+                 # strategy, so the host's slow and fast phases fall on every strategy
+      rounds=40
+      split_runs "256:256 4096:256 4096:1024" fine 200 --steps 8
+      rounds=6 ;;
+    finematrix16k)  # its 16K rows (one call each half: the 600 s limit)
+      rounds=40
+      split_runs "16384:256 16384:1024" fine 240 --steps 8
+      rounds=6 ;;
     realmodel)  # the decode benchmark on the carried real model (after "model")
       split_runs "256:256 4096:256 4096:1024 16384:1024" real 0 --model /root/model --steps 64 ;;
     vout)  # session 23: the group fold's victims as slices (h2o) or an output a layer
