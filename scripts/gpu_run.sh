@@ -66,11 +66,11 @@ for step in "$@"; do
     finematrix)  # the matrix interleaved finer (session 24): 40 rounds of 8 tokens a
                  # strategy, so the host's slow and fast phases fall on every strategy
       rounds=40
-      split_runs "256:256 4096:256 4096:1024" fine 200 --steps 8
+      split_runs "256:256 4096:256 4096:1024" finematrix 180 --steps 8
       rounds=6 ;;
     finematrix16k)  # its 16K rows (one call each half: the 600 s limit)
       rounds=40
-      split_runs "16384:256 16384:1024" fine 240 --steps 8
+      split_runs "16384:256 16384:1024" finematrix 240 --steps 8
       rounds=6 ;;
     realmodel)  # the decode benchmark on the carried real model (after "model")
       split_runs "256:256 4096:256 4096:1024 16384:1024" real 0 --model /root/model --steps 64 ;;

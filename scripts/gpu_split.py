@@ -114,7 +114,10 @@ def unheld_keys(cache):
     holds a layer's K buffer past its own token's SDPA. With ``h2o`` and
     ``h2o_fixed_victims``: whether the fold's hold on every K buffer (until
     its token has run on the GPU) keeps the next token's victim writes from
-    donating them (each then copies its buffer)."""
+    donating them (each then copies its buffer). The storage's class becomes
+    a subclass, so the ``type(kv) is DenseKV`` paths are off (deferred scores
+    below the budget, the per-layer fused step, window-scored prompt chunks):
+    the prefill differs, the group steady state that is timed does not."""
     for c in cache:
         base = type(c.kv)
 
@@ -178,7 +181,8 @@ def strategies(model, context, budget):
         "h2o_victim_outputs": lambda: victim_outputs(cfg, model),
         # diagnostics (wrong results): no fold launch / slice updates for scatters
         "h2o_fixed_victims": lambda: fixed_victims(make_h2o_cache(model, cfg)),
-        # session 24: without the steady state's fast path (the general path's checks)
+        # session 24: without the steady state's fast path (the general path's
+        # checks; the fast path's own check and a lambda call a layer remain)
         "h2o_general_path": lambda: with_attrs(make_h2o_cache(model, cfg),
                                                _into_victim=lambda keys: False),
         "h2o_slot0": lambda: slot0_writes(make_h2o_cache(model, cfg)),

@@ -175,11 +175,11 @@ def main():
     print(f"median: {base} {statistics.median(rows[base]):.1f}  {ours} "
           f"{statistics.median(rows[ours]):.1f}  {ours} - {base} (paired) "
           f"{diff:.1f} us/token, {diff / a.layers:.2f} per layer")
+    for name, make, token in order if a.profile else ():
+        print(f"--- cProfile: {name}, {a.steps} tokens (and its caches' set-up)")
+        print(profiled(make, token, a.layers, a.budget, a.steps))
     print(json.dumps({"path": a.path, "layers": a.layers, "budget": a.budget,
                       "us_per_token": rows}))
-    for name, make, token in order if a.profile else ():
-        print(f"--- cProfile: {name}, {a.steps} tokens")
-        print(profiled(make, token, a.layers, a.budget, a.steps))
 
 
 if __name__ == "__main__":

@@ -83,18 +83,22 @@ inline mem_flags operator|(mem_flags a, mem_flags b) {
   return mem_flags(int(a) | int(b));
 }
 void threadgroup_barrier(mem_flags);
-// Metal's SIMD shuffles take 8- to 32-bit integers, half and float (and
-// vectors of them): no bool, no 64-bit type, and bfloat16_t only where MLX's
-// bfloat is Metal's own (MSL 3.1; elsewhere MLX's struct). Any other T has
-// no overload here, as it has none (or not on every Mac) there.
+// metal::simd_shuffle(_xor), as the kernels call them (namespace-qualified,
+// so MLX's global-namespace helpers for 64-bit and bool shuffle_down do not
+// apply): Metal's own overloads take 8- to 32-bit integers, half and float,
+// and MLX's bf16_math.h adds bfloat16_t in namespace metal. No bool, no
+// 64-bit type. Scalars only here (stricter than Metal, whose vectors shuffle
+// too; no kernel shuffles one).
 template <typename T> struct shuffles : std::false_type {};
 template <> struct shuffles<float> : std::true_type {};
 template <> struct shuffles<half> : std::true_type {};
+template <> struct shuffles<bfloat16_t> : std::true_type {};
 template <> struct shuffles<int> : std::true_type {};
 template <> struct shuffles<uint> : std::true_type {};
 template <> struct shuffles<short> : std::true_type {};
 template <> struct shuffles<ushort> : std::true_type {};
 template <> struct shuffles<char> : std::true_type {};
+template <> struct shuffles<signed char> : std::true_type {};
 template <> struct shuffles<unsigned char> : std::true_type {};
 template <typename T, typename = std::enable_if_t<shuffles<T>::value>>
 T simd_shuffle_xor(T x, ushort mask);

@@ -1,4 +1,4 @@
-"""The evicting steady state's fast path (H2OKVCache._write_decode_victim).
+"""The evicting steady state's fast path (Slots._into_victim, _write_decode_victim).
 
 A full cache whose fused step, compiled CPU step or group fold picked the
 next victim writes its decode token there without the general path's checks.
@@ -6,12 +6,15 @@ Run with it and with it forced off, every cache must end bit for bit the
 same (K/V, metadata, counters, outputs), through the transitions around it: a
 prompt chunk after eviction, a trim, a masked step, a group that folds at the
 next token (its first member flushes, which the fast path must leave to the
-general path) and a released group.
+general path) and a released group. Where the general path does more than
+the write (a batch eviction, a prompt left uncompacted) the fast path must
+decline, which a victim set by hand (as a GPU step sets it) shows on the CPU.
 """
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from dataclasses import replace
 
 from mlx_h2o import H2OKVCache
 from mlx_h2o.cache import QuantConfig, quantized_cache_type
@@ -24,6 +27,10 @@ SCRIPT = [5] + [1] * 45 + [4] + [1] * 20 + ["trim"] + [1] * 10 + ["mask"] + [1] 
 
 def per_layer(cfgs):
     return [H2OKVCache(c) for c in cfgs]
+
+
+def windowed(cfgs):
+    return [H2OKVCache(c, window_size=18) for c in cfgs]
 
 
 def grouped(cfgs, last_push=True):
@@ -41,6 +48,7 @@ def quantized(cfgs, group=False):
 # name -> (caches for configs, head dim)
 KINDS = {
     "per_layer": (per_layer, D),
+    "window": (windowed, D),
     "grouped": (grouped, D),
     "grouped_fold_next": (lambda cfgs: grouped(cfgs, last_push=False), D),
     "quantized": (quantized, 64),
@@ -48,10 +56,10 @@ KINDS = {
 }
 
 
-def play(caches, seed, d):
+def play(caches, seed, d, script=SCRIPT):
     rng = np.random.default_rng(seed)
     outs = []
-    for step in SCRIPT:
+    for step in script:
         if step == "trim":
             for c in caches:
                 c.trim(2)
@@ -70,9 +78,16 @@ def snapshot(c):
     return [np.array(a) for a in arrays], (c.offset, c.evicted, c.token_bytes, n)
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
-def test_fast_path_changes_nothing(kind, monkeypatch):
-    make, d = KINDS[kind]
+def assert_same_caches(a, b):
+    for c1, c2 in zip(a, b):
+        (arr1, meta1), (arr2, meta2) = snapshot(c1), snapshot(c2)
+        assert meta1 == meta2
+        for x, y in zip(arr1, arr2):
+            np.testing.assert_array_equal(x, y)
+
+
+def counting(monkeypatch):
+    """Count the fast path's writes (the caches that took it)."""
     taken = []
     fast = H2OKVCache._write_decode_victim
 
@@ -81,27 +96,82 @@ def test_fast_path_changes_nothing(kind, monkeypatch):
         return fast(self, keys, values)
 
     monkeypatch.setattr(H2OKVCache, "_write_decode_victim", counted)
-    with_fast = make(configs())
+    return taken
+
+
+@pytest.mark.parametrize("mode", ["accumulated", "ema"])
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_fast_path_changes_nothing(kind, mode, monkeypatch):
+    make, d = KINDS[kind]
+    taken = counting(monkeypatch)
+    with_fast = make(configs(mode))
     a = play(with_fast, 3, d)
-    assert len(taken) > 100  # the steady state really took it
+    n_fast = len(taken)
+    assert n_fast > 100  # the steady state really took it
 
     monkeypatch.setattr(H2OKVCache, "_into_victim", lambda self, keys: False)
-    without = make(configs())
+    without = make(configs(mode))
     b = play(without, 3, d)
-    assert len(taken) > 100 and len(a) == len(b)
+    assert len(taken) == n_fast and len(a) == len(b)  # off means off
     for x, y in zip(a, b):
         np.testing.assert_array_equal(np.array(x), np.array(y))
-    for c1, c2 in zip(with_fast, without):
-        (arr1, meta1), (arr2, meta2) = snapshot(c1), snapshot(c2)
-        assert meta1 == meta2 and c1.evicted > 0
-        for x, y in zip(arr1, arr2):
-            np.testing.assert_array_equal(x, y)
+    assert_same_caches(with_fast, without)
+    assert all(c.evicted > 0 for c in with_fast)
+
+
+def test_fast_path_keeps_the_scores_check():
+    """A fast-path update leaves the step waiting for its scores: a second
+    update before the attention is the usual error."""
+    caches = per_layer(configs())
+    play(caches, 2, D, [5] + [1] * 40)
+    c = caches[0]
+    assert c._victim is not None and c._into_victim(mx.zeros((B, HK, 1, D)))
+    k = mx.zeros((B, HK, 1, D))
+    c.update_and_fetch(k, k)
+    with pytest.raises(RuntimeError, match="before the attention"):
+        c.update_and_fetch(k, k)
+
+
+@pytest.mark.parametrize("case", ["evict_batch", "prompt_left_long"])
+def test_fast_path_declines_where_the_general_path_does_more(case, monkeypatch):
+    """A victim set by hand, as a GPU step leaves it, where the general path
+    must evict a batch or compact the prompt first: the fast path is not
+    taken, and the caches end as with it forced off."""
+    if case == "evict_batch":
+        # After 5 + 31 tokens a layer of 24 with batches of 4 is full again:
+        # its next decode token evicts a batch.
+        cfgs = [replace(c, evict_batch=4) for c in configs(sizes=(24, 24))]
+        script = [5] + [1] * 31
+    else:
+        cfgs = [replace(c, prefill_compact="prompt", prefill_window=2) for c in configs()]
+        script = [5] + [1] * 40 + [30]
+    taken = counting(monkeypatch)
+    runs = []
+    for fast in (True, False):
+        if not fast:
+            monkeypatch.setattr(H2OKVCache, "_into_victim", lambda self, keys: False)
+        caches = per_layer(cfgs)
+        play(caches, 4, D, script)
+        rng = np.random.default_rng(7)
+        for c in caches:  # a victim per (sequence, KV head), as a fused step's
+            c._victim = mx.array(rng.integers(3, 20, (B, HK, 1, 1)).astype(np.int32))
+            c._victim = mx.broadcast_to(c._victim, (B, HK, 1, D))
+        over = caches[0].size() - cfgs[0].max_size
+        assert over == (0 if case == "evict_batch" else 30)
+        before = len(taken)
+        outs = play(caches, 5, D, [1])
+        assert len(taken) == before  # declined: the general path evicted / compacted
+        outs += play(caches, 6, D, [1] * 6)
+        runs.append((caches, outs))
+    for x, y in zip(runs[0][1], runs[1][1]):
+        np.testing.assert_array_equal(np.array(x), np.array(y))
+    assert_same_caches(runs[0][0], runs[1][0])
 
 
 def test_fast_path_leaves_a_waiting_group_member_to_the_general_path():
     """With ``fold_at_last_push = False`` the first member of a token still
     holds its last query: it has no victim yet (its last one was written),
-    and the fast path's own check refuses it too; its update flushes."""
+    so the fast path is not taken, and its update flushes the group."""
     caches = grouped(configs(), last_push=False)
     rng = np.random.default_rng(5)
     for L in [5] + [1] * 50:
@@ -109,6 +179,5 @@ def test_fast_path_leaves_a_waiting_group_member_to_the_general_path():
     group = caches[0]._group
     assert group.waits_for(caches[0]) and caches[0]._victim is None
     k = mx.array(rng.standard_normal((B, HK, 1, D)).astype(np.float32))
-    assert not caches[0]._into_victim(k)
     caches[0].update_and_fetch(k, k)
     assert not group.has_pending() and caches[0]._slot is group._victims[0]

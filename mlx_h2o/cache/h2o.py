@@ -134,28 +134,6 @@ class H2OKVCache(Slots, DeferredScores, DecodeSteps):
         self._pending = True
         return self._fetch()
 
-    def _into_victim(self, keys) -> bool:
-        """Whether this decode token goes straight into the victim a fused
-        step or the group picked: the full cache's steady state, where the
-        general path below would neither flush, compact nor evict a batch."""
-        group, cfg = self._group, self.config
-        return (keys.shape[2] == 1 and self._n == cfg.max_size and not self._lingering
-                and (cfg.evict_batch == 1 or not self.batch_eviction)
-                and (group is None or not group.waits_for(self)))
-
-    def _write_decode_victim(self, keys, values):
-        """What the general path does for that token, without its checks:
-        every layer of an evicting decode runs it every token, and decode is
-        host bound on the GPU (docs/GPU.md, "Session 24")."""
-        victim = self._victim
-        self.token_bytes = keys.nbytes + values.nbytes
-        self.kv.write_index(victim, keys, values, for_sdpa=self._group is not None)
-        self._slot, self._victim = victim, None
-        self._meta_pending = self._pending = True
-        self.evicted += 1
-        self.offset += 1
-        return self.kv.fetch(self._n)
-
     def _fetch(self):
         """What this step attends. After a batch eviction, a deferred decode
         step also sees the evicted tokens not yet overwritten: the whole

@@ -70,6 +70,30 @@ class Slots:
         self.evicted += 1
         return slot
 
+    def _into_victim(self, keys) -> bool:
+        """Whether this decode token goes straight into the victim that a fused
+        step, a compiled step or the group picked (``_victim``, checked by the
+        caller): the full cache's steady state, where the general path of
+        update_and_fetch would neither append, compact nor evict a batch. (A
+        group member still waiting for its fold has no victim yet, and a
+        cache lingers only after a batch eviction.)"""
+        cfg = self.config
+        return (keys.shape[2] == 1 and self._n == cfg.max_size
+                and (cfg.evict_batch == 1 or not self.batch_eviction))
+
+    def _write_decode_victim(self, keys, values):
+        """What the general path does for that token, without its checks:
+        every layer of an evicting decode runs it every token, and decode is
+        host bound on the GPU (docs/GPU.md, "Session 24")."""
+        victim = self._victim
+        self.token_bytes = keys.nbytes + values.nbytes
+        self.kv.write_index(victim, keys, values, for_sdpa=self._group is not None)
+        self._slot, self._victim = victim, None
+        self._meta_pending = self._pending = True
+        self.evicted += 1
+        self.offset += 1
+        return self.kv.fetch(self._n)
+
     def _write_slot_meta(self, slot, position=None):
         """Position of the token written into ``slot``, with fresh scores."""
         position = self.offset - 1 if position is None else position
