@@ -427,14 +427,19 @@ def test_a_wrong_group_fold_is_caught_at_first_use(first_use, monkeypatch):
     """A group fold whose victims are wrong fails the check: a warning, and
     the groups stay on the reference, so the caches still match per-layer
     ones token for token."""
-    real = group_fold.group_fold
+    real = cache_group.group_fold_plan
 
     def wrong(*args, **kwargs):
-        res = real(*args, **kwargs)
-        victims = [mx.where(v == 0, 1, 0).astype(v.dtype) for v in res.victims]
-        return res._replace(victims=victims)
+        plan = real(*args, **kwargs)
 
-    monkeypatch.setattr(cache_group, "group_fold", wrong)
+        def run(*arrays):
+            res = plan(*arrays)
+            victims = [mx.where(v == 0, 1, 0).astype(v.dtype) for v in res.victims]
+            return res._replace(victims=victims)
+
+        return run
+
+    monkeypatch.setattr(cache_group, "group_fold_plan", wrong)
     with pytest.warns(RuntimeWarning, match="group fold dense failed its first-use check"):
         test_group_fold_gpu.test_grouped_caches_match_per_layer_on_gpu(None)
     assert first_use == {"queue fold": True, "group fold dense": False}

@@ -14,12 +14,13 @@ stacked (``_stack``); any other use of a member's metadata releases the group
 (folds what is pending, hands every member its rows back).
 """
 
+from operator import is_
 from typing import List, Optional
 
 import mlx.core as mx
 import numpy as np
 
-from ..kernels.group_fold import group_fold, group_fold_supported, layer_params, max_layers
+from ..kernels.group_fold import group_fold_plan, group_fold_supported, layer_params, max_layers
 from . import first_use
 from .ops_step import evict_step
 
@@ -53,6 +54,7 @@ class StepGroup:
         self._victims = None  # per stacked member: the victim array handed out
         self._lay_i = self._lay_f = None
         self._lay_next = None  # (device lay_i for offsets + 1, those offsets)
+        self._plan = None  # ((query shape, dtype), the stacked members' GroupPlan)
         # Members' (queries, keys) signature, the first one seen, whether it can
         # be folded here and whether by the kernel.
         self._sig = None
@@ -106,16 +108,21 @@ class StepGroup:
 
     def flush(self) -> None:
         """Fold every pushed query; each pushing member gets its next victim."""
-        if not self._pending:
+        pending = self._pending
+        if not pending:
             return
-        items = [self._pending[id(m)] for m in self.members if id(m) in self._pending]
         self._pending = {}
-        caches = [it[0] for it in items]
-        if self._stacked is not None and not self._continues(items):
+        # In members' order. This runs once a token on the host-bound decode
+        # path (~50 us of Python on the lent H200 host, docs/GPU.md, session 24).
+        if len(pending) == len(self.members):  # every member pushed
+            items = [pending[id(m)] for m in self.members]
+        else:
+            items = [pending[id(m)] for m in self.members if id(m) in pending]
+        caches, queries, slots = zip(*items)
+        if self._stacked is not None and not self._continues(caches, slots):
             self._unstack()
         if self._stacked is None:
-            self._stack(caches, [it[2] for it in items])
-        queries = [it[1] for it in items]
+            self._stack(list(caches), slots)
         offsets = [c.offset for c in caches]
         if self._sig[2]:  # pending queries passed takes(): the signature is set
             res = self._fold_checked(caches, queries, offsets)
@@ -126,11 +133,10 @@ class StepGroup:
             c._victim = v
 
     # --- stacking ---------------------------------------------------------------
-    def _continues(self, items) -> bool:
+    def _continues(self, caches, slots) -> bool:
         """The same members as the stacked ones, each having written where told."""
-        return (len(items) == len(self._stacked)
-                and all(c is s and slot is v for (c, _, slot), s, v
-                        in zip(items, self._stacked, self._victims)))
+        return (len(caches) == len(self._stacked) and all(map(is_, caches, self._stacked))
+                and all(map(is_, slots, self._victims)))
 
     def _stack(self, caches, slots) -> None:
         M = max(c._positions.shape[2] for c in caches)
@@ -152,7 +158,7 @@ class StepGroup:
         lay_f = [[c._group_scale, c.config.ema_alpha, 1.0 - c.config.ema_alpha, 0.0]
                  for c in caches]
         self._lay_f = mx.array(lay_f, dtype=mx.float32)
-        self._lay_next = None
+        self._lay_next = self._plan = None
 
     def _unstack(self) -> None:
         pos, score, count = self._meta
@@ -192,7 +198,6 @@ class StepGroup:
         return res
 
     def _fold_kernel(self, caches, queries, offsets):
-        bits, group_size = _quant(caches[0].kv.group_kind)
         # Each token's offsets come from the last launch's device copy when they
         # advanced by one (the steady state); a host-written array every token
         # cost the kernel ~150 us of GPU time on the H100 (docs/GPU.md).
@@ -202,10 +207,17 @@ class StepGroup:
         else:
             self._lay_i[:, 0] = offsets
             lay_i = mx.array(self._lay_i)
-        cfg = caches[0].config
-        res = group_fold(queries, [c.kv.group_keys for c in caches], lay_i, self._lay_f,
-                         *self._meta, self._slot, mode=cfg.score, pinned=cfg.pinned,
-                         bits=bits, group_size=group_size)
+        keys = [c.kv.group_keys for c in caches]
+        # The plan is checked and looked up once per stacking and query shape,
+        # not every token (host time, docs/GPU.md, session 24).
+        key = (queries[0].shape, queries[0].dtype)
+        if self._plan is None or self._plan[0] != key:
+            cfg = caches[0].config
+            bits, group_size = _quant(caches[0].kv.group_kind)
+            self._plan = (key, group_fold_plan(queries, keys, self._meta[0], mode=cfg.score,
+                                               pinned=cfg.pinned, bits=bits,
+                                               group_size=group_size))
+        res = self._plan[1](queries, keys, lay_i, self._lay_f, *self._meta, self._slot)
         self._lay_next = (res.lay_i, [o + 1 for o in offsets])
         return res.positions, res.score, res.count, res.victim, res.victims
 

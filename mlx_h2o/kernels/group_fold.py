@@ -131,6 +131,16 @@ def group_fold(queries: Sequence[mx.array], keys: Sequence, lay_i, lay_f, positi
         slot: (n * B, Hk, 1[, D]) int32, where each layer's token went.
     Per layer as h2o_fold_step with logits ``scale * q @ k[:valid]`` (no mask).
     """
+    plan = group_fold_plan(queries, keys, positions, mode=mode, pinned=pinned, bits=bits,
+                           group_size=group_size)
+    return plan(queries, keys, lay_i, lay_f, positions, score, count, slot)
+
+
+def group_fold_plan(queries: Sequence[mx.array], keys: Sequence, positions, *, mode: str,
+                    pinned=(), bits: Optional[int] = None, group_size: int = 64) -> "GroupPlan":
+    """group_fold's checks and its GroupPlan for these shapes: a caller that
+    folds the same shapes every token keeps it and calls it directly
+    (``plan(queries, keys, lay_i, lay_f, positions, score, count, slot)``)."""
     n, q = len(keys), queries[0]
     B, Hq, _, D = q.shape
     Hk, M = positions.shape[1], positions.shape[2]
@@ -139,6 +149,5 @@ def group_fold(queries: Sequence[mx.array], keys: Sequence, lay_i, lay_f, positi
         raise ValueError(f"group_fold: not supported here for {len(queries)} queries and "
                          f"{n} K buffers of {q.dtype} queries {q.shape} "
                          f"(backend={gpu_backend()})")
-    plan = group_plan(n, B, Hq, Hk, D, q.dtype, M, mode, tuple(tuple(p) for p in pinned),
+    return group_plan(n, B, Hq, Hk, D, q.dtype, M, mode, tuple(tuple(p) for p in pinned),
                       bits, group_size)
-    return plan(queries, keys, lay_i, lay_f, positions, score, count, slot)
