@@ -3,11 +3,13 @@
     python3 scripts/fold_in_decode.py [--context 4096] [--budget 256] [--steps 64] [--rounds 4]
 
 Decodes a Qwen3-8B-shaped 4-bit model (random weights) with evicting H2O
-caches as mlx-lm's generate_step does, and times with perf_counter, per
-token: the whole graph build, StepGroup.flush (the fold's Python and
-launch), inside it _fold_checked and _fold_kernel, the GroupPlan call
+caches as mlx-lm's generate_step does (gpu_split.py's generate_split: the
+graph build and the dispatch, ``mx.async_eval``, means a token; session
+24's logs, made before the script used it, give their medians) and times
+with perf_counter, per token: StepGroup.flush (the fold's Python and
+launch), inside it _fold_checked and _fold_kernel, and the GroupPlan call
 inside those (the native tape's replay: one custom-kernel node and its row
-views) and the dispatch (``mx.async_eval``). Medians per round, in us; a final JSON line.
+views). Medians per round, in us; a final JSON line.
 Session 24 found the fold launch costing 0.26-0.98 ms a token in decode
 against ~0.1 ms alone (docs/GPU.md): this says which part of the host's
 share is where.
@@ -25,8 +27,8 @@ import mlx.core as mx
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-import mlx_h2o  # noqa: E402
 from gpu_cache_check import prefill  # noqa: E402
+from gpu_split import generate_split  # noqa: E402
 from mlx_h2o import H2OConfig, make_h2o_cache  # noqa: E402
 from mlx_h2o.cache import group as group_mod  # noqa: E402
 from mlx_h2o.eval.bench import random_model  # noqa: E402
@@ -66,26 +68,15 @@ def main():
     y = prefill(model, cache, a.context)
     print(f"mlx {mx.__version__} context={a.context} budget={a.budget} steps={a.steps}")
     rows = []
-    with mlx_h2o.patch():
-        for r in range(a.rounds):
-            for v in times.values():
-                v.clear()
-            build, disp = [], []
-            for _ in range(a.steps):
-                t0 = time.perf_counter()
-                nxt = model(y, cache=cache)[:, -1:].argmax(-1)
-                t1 = time.perf_counter()
-                mx.async_eval(nxt)
-                t2 = time.perf_counter()
-                y.item()
-                build.append(t1 - t0)
-                disp.append(t2 - t1)
-                y = nxt
-            row = {"build": build, "dispatch": disp, **times}
-            row = {k: statistics.median(v) * 1e6 for k, v in row.items() if v}
-            row["folds"] = len(times["flush"])
-            rows.append(row)
-            print(f"round={r} " + " ".join(f"{k} {v:7.1f}" for k, v in row.items()), flush=True)
+    for r in range(a.rounds):
+        for v in times.values():
+            v.clear()
+        y, split = generate_split(model, cache, y, a.steps)
+        row = {k: split[k] * 1e3 for k in ("build", "dispatch")}
+        row.update({k: statistics.median(v) * 1e6 for k, v in times.items() if v})
+        row["folds"] = len(times["flush"])
+        rows.append(row)
+        print(f"round={r} " + " ".join(f"{k} {v:7.1f}" for k, v in row.items()), flush=True)
     print(json.dumps({"context": a.context, "budget": a.budget, "rounds": rows}))
 
 

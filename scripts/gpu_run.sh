@@ -28,6 +28,16 @@ split_runs() {
   done
 }
 
+# split_runs with other STRATEGIES and ROUNDS for this call only:
+# split_with STRATEGIES ROUNDS PAIRS PREFIX LIMIT [ARGS]
+split_with() {
+  kept_s=$strategies kept_r=$rounds
+  strategies=$1 rounds=$2
+  shift 2
+  split_runs "$@"
+  strategies=$kept_s rounds=$kept_r
+}
+
 for step in "$@"; do
   case "$step" in
     install)
@@ -65,28 +75,21 @@ for step in "$@"; do
       split_runs "256:256 4096:256 4096:1024 16384:256 16384:1024" split 105 --steps 32 ;;
     finematrix)  # the matrix interleaved finer (session 24): 40 rounds of 8 tokens a
                  # strategy, so the host's slow and fast phases fall on every strategy
-      rounds=40
-      split_runs "256:256 4096:256 4096:1024" finematrix 180 --steps 8
-      rounds=6 ;;
+      split_with "$strategies" 40 "256:256 4096:256 4096:1024" finematrix 180 --steps 8 ;;
     finematrix16k)  # its 16K rows (one call each half: the 600 s limit)
-      rounds=40
-      split_runs "16384:256 16384:1024" finematrix 240 --steps 8
-      rounds=6 ;;
+      split_with "$strategies" 40 "16384:256 16384:1024" finematrix 240 --steps 8 ;;
     realmodel)  # the decode benchmark on the carried real model (after "model")
       split_runs "256:256 4096:256 4096:1024 16384:1024" real 0 --model /root/model --steps 64 ;;
     vout)  # session 23: the group fold's victims as slices (h2o) or an output a layer
-      saved=$strategies strategies="rotating h2o h2o_victim_outputs"
-      split_runs "4096:256 16384:1024" vout 150 --steps 32
-      split_runs "4096:256" vout_again 150 --steps 32
-      strategies=$saved ;;
+      vout="rotating h2o h2o_victim_outputs"
+      split_with "$vout" 6 "4096:256 16384:1024" vout 150 --steps 32
+      split_with "$vout" 6 "4096:256" vout_again 150 --steps 32 ;;
     perlayer)  # session 24: the per-layer fused step (no group) against the group
-      saved=$strategies strategies="rotating h2o h2o_per_layer"
-      split_runs "4096:256 16384:1024 256:256 4096:1024" perlayer 150 --steps 32
-      strategies=$saved ;;
+      split_with "rotating h2o h2o_per_layer" 6 "4096:256 16384:1024 256:256 4096:1024" \
+        perlayer 150 --steps 32 ;;
     fastpath)  # session 24: the steady state's fast path against the general path
-      saved=$strategies strategies="rotating h2o h2o_general_path"
-      split_runs "4096:256 16384:1024 256:256 4096:1024" fastpath 150 --steps 32
-      strategies=$saved ;;
+      split_with "rotating h2o h2o_general_path" 6 "4096:256 16384:1024 256:256 4096:1024" \
+        fastpath 150 --steps 32 ;;
     fcheck)  # the fold and fused-step sections of gpu_check (masked runs too)
       timeout 400 python3 scripts/gpu_check.py --skip-attention --fused-steps 100 2>&1 \
         | tee "$OUT/check_fused.log" | grep -v ": ok$" || status=1 ;;

@@ -114,10 +114,7 @@ class StepGroup:
         self._pending = {}
         # In members' order. This runs once a token on the host-bound decode
         # path (~50 us of Python on the lent H200 host, docs/GPU.md, session 24).
-        if len(pending) == len(self.members):  # every member pushed
-            items = [pending[id(m)] for m in self.members]
-        else:
-            items = [pending[id(m)] for m in self.members if id(m) in pending]
+        items = [pending[id(m)] for m in self.members if id(m) in pending]
         caches, queries, slots = zip(*items)
         if self._stacked is not None and not self._continues(caches, slots):
             self._unstack()

@@ -115,11 +115,11 @@ class H2OKVCache(Slots, DeferredScores, DecodeSteps):
         if L == 1 and self._n >= self.max_size and self._batched():
             self._evict_batch()  # room for the next evict_batch decode tokens
         if L == 1 and self._n >= self.max_size and self._victim is not None:
-            # The fused step picked this victim and writes the slot's metadata.
-            self._slot, self._meta_pending = self._victim, True
-            self.kv.write_index(self._slot, keys, values, for_sdpa=self._group is not None)
-            self.evicted += 1
-        elif L == 1 and self._n >= self.max_size:
+            # The group's flush above just picked it (the fast path took every
+            # other victim; a compaction or a batch eviction drops one): the
+            # steady state's write. The fused step or fold writes the metadata.
+            return self._write_decode_victim(keys, values)
+        if L == 1 and self._n >= self.max_size:
             self._slot = self._write_into_victim(keys, values)
         else:
             # A decode token's position and scores wait for its attention: the
