@@ -1,43 +1,90 @@
-"""Cache statistics: tokens seen, kept and evicted, KV bytes vs an unbounded cache."""
+"""Cache statistics: tokens seen, kept and evicted per layer; KV bytes vs mlx-lm's KVCache."""
 
 from dataclasses import asdict, dataclass
-from typing import Any, List
+from typing import Any, List, Tuple
+
+from mlx_lm.models.cache import KVCache
 
 
 @dataclass
 class CacheStats:
+    """Per H2O layer: ``seen == kept + evicted`` (tokens per sequence and KV head).
+
+    ``unbounded_kv_bytes`` is what mlx-lm's ``KVCache`` would really hold for
+    the tokens seen: it preallocates ``KVCache.step`` (256) slots at a time; a
+    sliding-window layer's ``RotatingKVCache`` at most its window.
+    """
+
     layers: int  # H2O layers
-    tokens_seen: int
-    tokens_kept: int  # slots in use per layer (max over layers)
-    tokens_evicted: int  # per layer, sequence and KV head (max over layers)
+    tokens_seen: int  # max over layers (every layer sees the same tokens)
+    tokens_kept: int  # max over layers
+    tokens_evicted: int  # max over layers
     kv_bytes: int  # resident: K/V buffers + positions and scores
-    unbounded_kv_bytes: int  # what mlx-lm's KVCache would hold for tokens_seen
+    unbounded_kv_bytes: int  # what mlx-lm's KVCache would hold (preallocated)
+    layer_seen: Tuple[int, ...] = ()
+    layer_kept: Tuple[int, ...] = ()
+    layer_evicted: Tuple[int, ...] = ()
+    layer_budget: Tuple[int, ...] = ()  # each layer's max_size
+    kvcache_slots: int = 0  # slots a layer of mlx-lm's KVCache would hold
 
     def as_dict(self):
         return asdict(self)
 
     def summary(self) -> str:
-        ratio = self.unbounded_kv_bytes / max(self.kv_bytes, 1)
+        seen, kept, evicted = (sum(x) for x in
+                               (self.layer_seen, self.layer_kept, self.layer_evicted))
+        n = max(self.layers, 1)
+        lo, hi = min(self.layer_kept, default=0), max(self.layer_kept, default=0)
+        per_layer = f"kept {lo}" if lo == hi else f"kept {lo}..{hi} (mean {kept / n:.1f})"
+        head = (f"H2O cache (sums over {self.layers} layers): seen {seen} = kept {kept} + "
+                f"evicted {evicted}; per layer: seen {self.tokens_seen}, {per_layer}")
+        mib = self.kv_bytes / 2**20
+        if not self.unbounded_kv_bytes:  # no token yet, or a cache whose K/V is not known
+            return f"{head} | KV {mib:.2f} MiB"
         # Below its budget a cache holds preallocated slots, so it can be larger.
+        ratio = self.unbounded_kv_bytes / max(self.kv_bytes, 1)
         size = f"{ratio:.2f}x smaller" if ratio >= 1 else f"{1 / ratio:.2f}x larger"
-        return (
-            f"H2O cache: seen={self.tokens_seen} kept={self.tokens_kept} "
-            f"evicted={self.tokens_evicted} | KV {self.kv_bytes / 2**20:.2f} MiB "
-            f"vs unbounded {self.unbounded_kv_bytes / 2**20:.2f} MiB "
-            f"({size}) over {self.layers} layers"
-        )
+        return (f"{head} | KV {mib:.2f} MiB vs {self.unbounded_kv_bytes / 2**20:.2f} MiB "
+                f"for mlx-lm's KVCache at {self.kvcache_slots} slots a layer ({size})")
+
+
+def kvcache_slots(seen: int, window=None) -> int:
+    """Slots an mlx-lm ``KVCache`` holds after ``seen`` tokens (``RotatingKVCache``
+    for a sliding window): whole steps of ``KVCache.step``."""
+    slots = -(-seen // KVCache.step) * KVCache.step
+    return slots if window is None else min(slots, window)
+
+
+def _token_bytes(c) -> int:
+    """Dense K+V bytes of one token in ``c`` (all sequences, KV heads); read from
+    its state when no token has gone through it yet (a loaded cache)."""
+    if c.token_bytes or not c.size():
+        return c.token_bytes
+    state = c.state
+    quant = getattr(c, "quant", None)
+    if quant is None:  # dense: keys, values (B, n_kv_heads, n, D)
+        return (state[0].nbytes + state[1].nbytes) // state[0].shape[2]
+    B, n_kv_heads, _, groups = state[1].shape  # scales of the keys (B, Hk, n, D / group)
+    return 2 * B * n_kv_heads * groups * quant.group_size * state[1].dtype.size
 
 
 def cache_stats(cache: List[Any]) -> CacheStats:
-    """Aggregate stats over the H2O caches of a prompt cache."""
+    """Stats over the H2O caches of a prompt cache."""
     h2o = [c for c in cache if hasattr(c, "h2o_attention")]
     if not h2o:
         raise ValueError("the prompt cache holds no H2O cache")
+    seen = tuple(c.offset for c in h2o)
+    slots = [kvcache_slots(c.offset, c.window_size) for c in h2o]
     return CacheStats(
         layers=len(h2o),
-        tokens_seen=max(c.offset for c in h2o),
+        tokens_seen=max(seen),
         tokens_kept=max(c.size() for c in h2o),
         tokens_evicted=max(c.evicted for c in h2o),
         kv_bytes=sum(c.nbytes for c in h2o),
-        unbounded_kv_bytes=sum(c.offset * c.token_bytes for c in h2o),
+        unbounded_kv_bytes=sum(s * _token_bytes(c) for s, c in zip(slots, h2o)),
+        layer_seen=seen,
+        layer_kept=tuple(c.size() for c in h2o),
+        layer_evicted=tuple(c.evicted for c in h2o),
+        layer_budget=tuple(c.max_size for c in h2o),
+        kvcache_slots=max(slots),
     )
