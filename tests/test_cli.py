@@ -1,16 +1,23 @@
-"""`mlx-h2o generate`: flags, errors, and one real run on the default model."""
+"""`mlx-h2o generate`: flags, a real run on the default model; cache stats."""
 
+import re
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from tiny_models import VOCAB, tiny_gemma3, tiny_llama
 
+import mlx_h2o
+from mlx_h2o import cache_stats, make_h2o_cache
+from mlx_h2o.cache import load_prompt_cache, save_prompt_cache
 from mlx_h2o.cli import main as cli_main
 from mlx_h2o.cli.generate import (
-    _check_unsupported,
     h2o_config_from_args,
     quant_config_from_args,
     setup_arg_parser,
 )
+from mlx_h2o.cli.h2o_args import h2o_value
 from mlx_h2o.config import H2OConfig
 
 
@@ -29,7 +36,7 @@ def test_h2o_flags_build_the_config():
     assert h2o_config_from_args(parse("--h2o-evict-batch", "16")).evict_batch == 16
     with pytest.raises(ValueError, match="evict_batch"):  # more than the 128 heavy slots
         h2o_config_from_args(parse("--h2o-evict-batch", "129"))
-    assert parse().h2o_layer_budget == "auto"
+    assert h2o_value(parse(), "h2o_layer_budget") == "auto"
     assert parse("--h2o-layer-budget", "uniform").h2o_layer_budget == "uniform"
     # Every mlx_lm.generate flag is still there.
     args = parse("--temp", "0.7", "--top-k", "5", "--prefill-step-size", "64", "--max-kv-size", "9")
@@ -46,10 +53,7 @@ def test_quant_flags():
         parse("--h2o-kv-bits", "3")
 
 
-def test_conflicting_flags_are_refused():
-    args = parse("--max-kv-size", "128")
-    with pytest.raises(ValueError, match="both bound the cache"):
-        _check_unsupported(args, h2o_config_from_args(args))
+def test_conflicting_budgets_are_refused():
     with pytest.raises(ValueError, match="budgets|must equal"):
         h2o_config_from_args(parse("--h2o-max-size", "10", "--h2o-heavy-budget", "5",
                                    "--h2o-recent-budget", "5"))
@@ -67,8 +71,58 @@ def test_generate_on_default_model_evicts(capsys):
     assert cli_main(["generate", "--prompt", prompt, "--max-tokens", "12",
                      "--h2o-max-size", "96"]) == 0
     out = capsys.readouterr().out
-    line = next(l for l in out.splitlines() if "H2O cache:" in l)
-    assert "evicted=" in line and "evicted=0 " not in line
-    # --h2o-layer-budget auto (default): the shipped profile's per-layer sizes
-    assert "Layer budget (auto): per-layer max_size 48..131, total 2880 over 30" in out
-    assert "kept=131" in line
+    line = next(l for l in out.splitlines() if "H2O cache (sums over 30 layers)" in l)
+    seen, kept, evicted = map(int, re.search(r"seen (\d+) = kept (\d+) \+ evicted (\d+)",
+                                             line).groups())
+    assert seen == kept + evicted and evicted > 0
+    # --h2o-layer-budget auto (default): the shipped profile's per-layer sizes,
+    # whose mean is --h2o-max-size
+    assert "Layer budget (auto): max_size 48..131 per layer, mean 96" in out
+    assert "total 2880 over 30 layers" in out and "kept 48..131" in line
+    assert "for mlx-lm's KVCache at 512 slots a layer" in line  # 331 tokens
+
+
+@pytest.mark.real_model
+def test_generate_verbose_false_prints_only_the_text(capsys):
+    assert cli_main(["generate", "--prompt", "Hello", "--max-tokens", "5", "--verbose",
+                     "False", "--h2o-max-size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert out.strip() and "H2O cache" not in out and "Layer budget" not in out
+    assert "tokens-per-sec" not in out
+
+
+def _run(model, cache, tokens, prefill):
+    with mlx_h2o.patch():
+        model(tokens[:, :prefill], cache=cache)
+        for t in range(prefill, tokens.shape[1]):
+            model(tokens[:, t : t + 1], cache=cache)
+
+
+@pytest.mark.parametrize("builder", [tiny_llama, tiny_gemma3])
+@pytest.mark.parametrize("prefill, decode", [(20, 3), (256, 1), (10, 260)])
+def test_stats_add_up_and_match_what_mlx_lm_holds(builder, prefill, decode):
+    model = builder()
+    tokens = mx.random.randint(0, VOCAB, (1, prefill + decode), key=mx.random.key(1))
+    plain = make_prompt_cache(model)  # mlx-lm's KVCache / RotatingKVCache
+    h2o = make_h2o_cache(model, H2OConfig(max_size=64), layer_budget="uniform")
+    _run(model, plain, tokens, prefill)
+    _run(model, h2o, tokens, prefill)
+    stats = cache_stats(h2o)
+    assert stats.unbounded_kv_bytes == sum(c.nbytes for c in plain)  # preallocation included
+    for seen, kept, evicted in zip(stats.layer_seen, stats.layer_kept, stats.layer_evicted):
+        assert seen == kept + evicted == prefill + decode
+    n = len(h2o)
+    kept = sum(stats.layer_kept)
+    assert (f"seen {n * (prefill + decode)} = kept {kept} + evicted "
+            f"{n * (prefill + decode) - kept}") in stats.summary()
+
+
+def test_stats_of_a_loaded_cache(tmp_path):
+    model = tiny_llama()
+    cache = make_h2o_cache(model, H2OConfig(max_size=24))
+    _run(model, cache, mx.random.randint(0, VOCAB, (1, 40), key=mx.random.key(2)), 30)
+    save_prompt_cache(str(tmp_path / "c.safetensors"), cache)
+    loaded = cache_stats(load_prompt_cache(str(tmp_path / "c.safetensors")))
+    before = cache_stats(cache)
+    assert loaded.unbounded_kv_bytes == before.unbounded_kv_bytes > 0
+    assert loaded.summary().split(" | ")[0] == before.summary().split(" | ")[0]

@@ -5,115 +5,138 @@ runs the embedded default model (prepared offline from a PyPI package).
 """
 
 import argparse
-import dataclasses
 import json
+import struct
 import sys
+from pathlib import Path
 from typing import List, Optional
 
 import mlx.core as mx
 from mlx_lm.generate import setup_arg_parser as mlx_lm_arg_parser
-from mlx_lm.sample_utils import make_sampler
 
-from ..cache import load_prompt_cache
-from ..cache.quantized import QuantConfig, quantized_cache_type
-from ..config import PREFILL_COMPACT, SCORE_MODES, H2OConfig
-from ..integration.factory import make_h2o_cache
-from ..integration.generate import generate
-from ..integration.stats import cache_stats
-from ..models import DEFAULT_MODEL, load_model
+from ..models import DEFAULT_MODEL
+from .h2o_args import (  # noqa: F401  (h2o_config_from_args: tests and scripts)
+    add_h2o_args,
+    check_h2o_args,
+    check_model_arg,
+    fail,
+    given_h2o_flags,
+    h2o_config_from_args,
+    h2o_value,
+    load_model_or_fail,
+    quant_config_from_args,
+)
 
-
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(H2OConfig)}
-
-
-def add_h2o_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("H2O eviction")
-    group.add_argument("--h2o-max-size", type=int, default=256,
-                       help="KV budget per layer in tokens (default: 256)")
-    group.add_argument("--h2o-heavy-budget", type=int, default=None,
-                       help="Heavy-hitter slots (default: derived)")
-    group.add_argument("--h2o-recent-budget", type=int, default=None,
-                       help="Recent-window slots (default: derived)")
-    group.add_argument("--h2o-sink-size", type=int, default=4,
-                       help="Attention-sink positions always kept (default: 4)")
-    group.add_argument("--h2o-score", choices=SCORE_MODES, default=None,
-                       help=f"Score mode (default: {_DEFAULTS['score']})")
-    group.add_argument("--h2o-prefill-window", type=int, default=None,
-                       help="Score a prompt chunk that overflows the budget by its last "
-                       f"queries only (default: {_DEFAULTS['prefill_window']}; 0 = all)")
-    group.add_argument("--h2o-prefill-pool", type=int, default=None,
-                       help="Max-pool such a chunk's scores over neighbouring positions "
-                       f"(default: {_DEFAULTS['prefill_pool']})")
-    group.add_argument("--h2o-prefill-compact", choices=PREFILL_COMPACT, default=None,
-                       help="Compact an overflowing prompt after each prefill chunk "
-                       "('chunk') or once, at the first decode step, scored by the last "
-                       f"chunk ('prompt'; default: {_DEFAULTS['prefill_compact']})")
-    group.add_argument("--h2o-evict-batch", type=int, default=None,
-                       help="A full cache evicts this many tokens at once, then appends "
-                       "(sliding-window speed; 1 = per-step H2O; default: "
-                       f"{_DEFAULTS['evict_batch']})")
-    group.add_argument("--h2o-layer-budget", default="auto", metavar="{auto,uniform,PATH}",
-                       help="Share the budget between layers: 'auto' = the shipped layer "
-                       "profile of a packaged model, else uniform; 'uniform'; or a "
-                       "profile file from `mlx-h2o calibrate` (default: auto)")
-    group.add_argument("--h2o-kv-bits", type=int, choices=(4, 8), default=None,
-                       help="Quantize the kept K/V (QuantizedH2OKVCache)")
-    group.add_argument("--h2o-kv-group-size", type=int, choices=(32, 64, 128), default=64,
-                       help="Quantization group size along head_dim (default: 64)")
-    group.add_argument("--h2o-kv-recent-bits", type=int, choices=(4,), default=None,
-                       help="Mixed precision: recent window at these bits, the rest "
-                       "at --h2o-kv-bits (e.g. 8 heavy / 4 recent)")
-    group.add_argument("--no-h2o", action="store_true",
-                       help="Plain mlx-lm caches (for comparison)")
+H2O_FORMAT = "mlx-h2o-cache/1"  # mlx_h2o.cache.io.FORMAT (read here without importing it)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     parser = mlx_lm_arg_parser()
     parser.prog = "mlx-h2o generate"
+    parser.usage = ("mlx-h2o generate [-h] [--model MODEL] [--prompt PROMPT] "
+                    "[--max-tokens N] [--h2o-* ...] [mlx_lm.generate flags]")
     parser.description = __doc__.splitlines()[0]
     parser.set_defaults(verbose=True)
     for action in parser._actions:
         if action.dest == "model":
-            action.help = f"Model path, hub repo or packaged name (default: {DEFAULT_MODEL})"
+            action.help = (f"Model path, hub repo or packaged name (default: {DEFAULT_MODEL}, "
+                           "or the model a --prompt-cache-file was made with)")
+        if action.dest == "prompt_cache_file":
+            action.help = ("A prompt cache to continue from: H2O caches from `mlx-h2o "
+                           "cache_prompt` (they keep their own budget), or with --no-h2o "
+                           "mlx-lm's from `mlx_lm.cache_prompt`")
     add_h2o_args(parser)
     return parser
 
 
-def h2o_config_from_args(args) -> Optional[H2OConfig]:
-    if args.no_h2o:
-        return None
-    options = dict(score=args.h2o_score, prefill_window=args.h2o_prefill_window,
-                   prefill_pool=args.h2o_prefill_pool,
-                   prefill_compact=args.h2o_prefill_compact,
-                   evict_batch=args.h2o_evict_batch)
-    return H2OConfig(
-        max_size=args.h2o_max_size, sink_size=args.h2o_sink_size,
-        heavy_budget=args.h2o_heavy_budget, recent_budget=args.h2o_recent_budget,
-        **{k: v for k, v in options.items() if v is not None},
-    )
-
-
-def quant_config_from_args(args) -> Optional[QuantConfig]:
-    if args.h2o_kv_bits is None:
-        if args.h2o_kv_recent_bits is not None:
-            raise ValueError("--h2o-kv-recent-bits needs --h2o-kv-bits (e.g. 8)")
-        return None
-    return QuantConfig(bits=args.h2o_kv_bits, group_size=args.h2o_kv_group_size,
-                       recent_bits=args.h2o_kv_recent_bits)
-
-
-def _check_unsupported(args, config) -> None:
+def check_args(parser, args):
+    """Every user error, before anything loads: (H2OConfig or None, QuantConfig or None)."""
+    h2o = not args.no_h2o
     if args.image:
-        raise ValueError("--image is not supported by mlx-h2o generate (text models only)")
-    if config is not None and args.max_kv_size is not None:
-        raise ValueError("--max-kv-size and --h2o-max-size both bound the cache: use one")
-    if config is not None and args.kv_bits is not None:
-        raise ValueError(
-            "--kv-bits quantizes mlx-lm's cache; with H2O use --no-h2o or drop --kv-bits"
-        )
+        fail(parser, "--image: mlx-h2o generate runs text models only; use mlx_lm.generate")
+    if h2o and args.max_kv_size is not None:
+        fail(parser, f"--max-kv-size bounds mlx-lm's RotatingKVCache, but H2O (on by "
+             f"default) bounds the cache: use --h2o-max-size {args.max_kv_size} instead, "
+             "or add --no-h2o for mlx-lm's rotating cache")
+    if h2o and args.kv_bits is not None:
+        bits = args.kv_bits if args.kv_bits in (4, 8) else 8
+        fail(parser, f"--kv-bits quantizes mlx-lm's cache: for a quantized H2O cache use "
+             f"--h2o-kv-bits {bits} instead, or add --no-h2o for mlx-lm's")
+    if args.prompt_cache_file is not None:
+        _check_cache_file(parser, args)
+    config, quant = check_h2o_args(parser, args)
+    check_model_arg(parser, args.model)
+    if args.draft_model:
+        check_model_arg(parser, args.draft_model, "--draft-model")
+    if args.chat_template_config:
+        try:
+            json.loads(args.chat_template_config)
+        except ValueError as e:
+            fail(parser, f"--chat-template-config is not JSON ({e})")
+    return config, quant
 
 
-def _prompt_tokens(args, tokenizer) -> List[int]:
+def cache_file_kind(path) -> tuple:
+    """("mlx-h2o" | "mlx-lm" | None, class names) from a .safetensors header."""
+    try:
+        with open(path, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            if n > Path(path).stat().st_size:
+                return None, []
+            meta = json.loads(fh.read(n)).get("__metadata__", {})
+    except (OSError, ValueError, AttributeError, struct.error):
+        return None, []
+    if meta.get("format") == H2O_FORMAT:
+        return "mlx-h2o", json.loads(meta.get("classes", "[]"))
+    keys = sorted((k for k in meta if k.startswith("1.")), key=lambda k: int(k[2:]))
+    if not keys:  # mlx-lm's layout: metadata, classes, scalars flattened as 0.*, 1.*, 2.*
+        return None, []
+    return "mlx-lm", [meta[k] for k in keys]
+
+
+def _check_cache_file(parser, args) -> None:
+    path, flag = args.prompt_cache_file, "--prompt-cache-file"
+    if not Path(path).is_file():
+        fail(parser, f"{flag} {path}: no such file; make one with `mlx-h2o cache_prompt` "
+             "(or `mlx_lm.cache_prompt` for --no-h2o)")
+    kind, classes = cache_file_kind(path)
+    if kind is None:
+        fail(parser, f"{flag} {path}: not a prompt-cache file (.safetensors from "
+             "`mlx-h2o cache_prompt` or `mlx_lm.cache_prompt`)")
+    h2o_classes = sorted({c for c in classes if "H2O" in c})
+    if kind == "mlx-lm" and h2o_classes:
+        fail(parser, f"{flag} {path}: mlx_lm's save_prompt_cache wrote H2O caches "
+             f"({h2o_classes[0]}) without their budget and scores, so no one can load "
+             "them; save H2O caches with mlx_h2o.cache.save_prompt_cache or `mlx-h2o "
+             "cache_prompt`")
+    if kind == "mlx-lm" and not args.no_h2o:
+        fail(parser, f"{flag} {path} holds mlx-lm caches ({classes[0]}), not H2O ones: "
+             "add --no-h2o to continue from it, or make an H2O one with `mlx-h2o "
+             "cache_prompt`")
+    if kind == "mlx-h2o" and args.no_h2o:
+        fail(parser, f"{flag} {path} holds H2O caches: drop --no-h2o")
+    given = given_h2o_flags(args)
+    if kind == "mlx-h2o" and given:
+        fail(parser, f"{given[0]} has no effect with {flag}: the file's H2O caches keep "
+             f"the budget they were made with; drop {given[0]}, or make a new file with "
+             f"`mlx-h2o cache_prompt {given[0]} ...`")
+
+
+def _load_cache_file(parser, args):
+    """(cache, metadata) of --prompt-cache-file (its kind checked by check_args)."""
+    if args.no_h2o:
+        from mlx_lm.models.cache import load_prompt_cache
+    else:
+        from ..cache import load_prompt_cache
+    try:
+        return load_prompt_cache(args.prompt_cache_file, return_metadata=True)
+    except (ValueError, KeyError, TypeError) as e:
+        fail(parser, f"--prompt-cache-file {args.prompt_cache_file}: {e}")
+
+
+def _prompt_tokens(args, tokenizer, continues: bool) -> List[int]:
+    """The prompt's tokens; ``continues``: after a cached prompt (mlx-lm's rule:
+    with a chat template only the text after the user turn's opening)."""
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
     prompt = sys.stdin.read() if prompt == "-" else prompt
     use_chat = not args.ignore_chat_template and tokenizer.has_chat_template
@@ -124,37 +147,68 @@ def _prompt_tokens(args, tokenizer) -> List[int]:
         if prefill:
             messages.append({"role": "assistant", "content": args.prefill_response})
         kwargs = json.loads(args.chat_template_config) if args.chat_template_config else {}
-        prompt = tokenizer.apply_chat_template(
-            messages, tokenize=False, continue_final_message=prefill,
-            add_generation_prompt=not prefill, **kwargs,
-        )
+        template = lambda m: tokenizer.apply_chat_template(  # noqa: E731
+            m, tokenize=False, continue_final_message=prefill,
+            add_generation_prompt=not prefill, **kwargs)
+        prompt = template(messages)
+        if continues:
+            messages[-1]["content"] = "<query>"
+            prompt = prompt[template(messages).index("<query>"):]
     return tokenizer.encode(prompt, add_special_tokens=not use_chat)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = setup_arg_parser().parse_args(argv)
-    config = h2o_config_from_args(args)
-    _check_unsupported(args, config)
-    if args.seed is not None:
-        mx.random.seed(args.seed)
-    model, tokenizer = load_model(
-        args.model, adapter_path=args.adapter_path,
-        tokenizer_config={"trust_remote_code": args.trust_remote_code},
-    )
-    for eos in args.extra_eos_token:
-        tokenizer.add_eos_token(eos)
-    prompt = _prompt_tokens(args, tokenizer)
-    draft = load_model(args.draft_model)[0] if args.draft_model else None
-    if args.prompt_cache_file:
-        cache = load_prompt_cache(args.prompt_cache_file)
-    elif config is not None:
-        cache_type = quantized_cache_type(quant_config_from_args(args))
-        budget = args.h2o_layer_budget
+def _model_name(parser, args, metadata) -> Optional[str]:
+    made_with = (metadata or {}).get("model")
+    if made_with and args.model is not None and args.model != made_with:
+        fail(parser, f"--model {args.model}: the --prompt-cache-file was made with "
+             f"{made_with}; drop --model or make the cache with this model")
+    return args.model or made_with
+
+
+def _build_cache(parser, args, model, draft, config, quant):
+    from ..cache.quantized import quantized_cache_type
+    from ..integration.factory import make_h2o_cache
+
+    cache_type = quantized_cache_type(quant)
+    budget = h2o_value(args, "h2o_layer_budget")
+    try:
         cache = make_h2o_cache(model, config, cache_type, layer_budget=budget)
         if draft is not None:
             cache += make_h2o_cache(draft, config, cache_type, layer_budget=budget)
-    else:
-        cache = None
+    except (ValueError, TypeError) as e:
+        from .h2o_args import flagify
+
+        fail(parser, flagify(str(e)))
+    return cache
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    config, quant = check_args(parser, args)
+    from mlx_lm.sample_utils import make_sampler
+
+    from ..integration.generate import generate
+
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    cache, metadata = (None, None)
+    if args.prompt_cache_file:
+        cache, metadata = _load_cache_file(parser, args)
+    tokenizer_config = json.loads((metadata or {}).get("tokenizer_config", "{}"))
+    tokenizer_config["trust_remote_code"] = args.trust_remote_code
+    model, tokenizer = load_model_or_fail(
+        parser, _model_name(parser, args, metadata), adapter_path=args.adapter_path,
+        tokenizer_config=tokenizer_config)
+    for eos in args.extra_eos_token:
+        tokenizer.add_eos_token(eos)
+    prompt = _prompt_tokens(args, tokenizer, continues=cache is not None)
+    draft = load_model_or_fail(parser, args.draft_model, "--draft-model")[0] \
+        if args.draft_model else None
+    if cache is not None:
+        _check_layers(parser, args, cache, model, draft)
+    elif config is not None:
+        cache = _build_cache(parser, args, model, draft, config, quant)
     sampler = make_sampler(
         args.temp, args.top_p, args.min_p, args.min_tokens_to_keep, top_k=args.top_k,
         xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
@@ -167,17 +221,30 @@ def main(argv: Optional[List[str]] = None) -> int:
         kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start,
         draft_model=draft, num_draft_tokens=args.num_draft_tokens,
     )
-    if not args.verbose:
+    if not args.verbose:  # the text only, as mlx_lm.generate: pipeable
         print(text)
-    if cache is not None and any(hasattr(c, "h2o_attention") for c in cache):
+    elif cache is not None and any(hasattr(c, "h2o_attention") for c in cache):
+        from ..integration.stats import cache_stats
+
         print(f"Prompt: {len(prompt)} tokens | {cache_stats(cache).summary()}")
-        print(_layer_budget_line(cache, args.h2o_layer_budget))
+        print(layer_budget_line(cache, h2o_value(args, "h2o_layer_budget"),
+                                from_file=args.prompt_cache_file))
     return 0
 
 
-def _layer_budget_line(cache, layer_budget) -> str:
+def _check_layers(parser, args, cache, model, draft) -> None:
+    layers = len(model.layers) + (len(draft.layers) if draft is not None else 0)
+    if len(cache) != layers:
+        fail(parser, f"--prompt-cache-file {args.prompt_cache_file} holds {len(cache)} "
+             f"layer caches but the model has {layers} layers: it was made with another "
+             "model; make it again with `mlx-h2o cache_prompt --model ...`")
+
+
+def layer_budget_line(cache, layer_budget, from_file=None) -> str:
     sizes = [c.max_size for c in cache if hasattr(c, "h2o_attention")]
+    origin = f"from {from_file}" if from_file else layer_budget
     if len(set(sizes)) == 1:
-        return f"Layer budget ({layer_budget}): uniform, {sizes[0]} per layer"
-    return (f"Layer budget ({layer_budget}): per-layer max_size {min(sizes)}..{max(sizes)}, "
-            f"total {sum(sizes)} over {len(sizes)} layers")
+        return f"Layer budget ({origin}): uniform, max_size {sizes[0]} per layer"
+    return (f"Layer budget ({origin}): max_size {min(sizes)}..{max(sizes)} per layer, "
+            f"mean {sum(sizes) / len(sizes):.0f} (--h2o-max-size), total {sum(sizes)} over "
+            f"{len(sizes)} layers")

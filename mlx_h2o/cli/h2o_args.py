@@ -1,0 +1,213 @@
+"""The `--h2o-*` flags shared by `generate` and `cache_prompt`, and user errors.
+
+A user error ends the command with one line, `<prog>: error: <flag>: <fix>`,
+and exit code 2 (argparse's convention), before any model is loaded.
+"""
+
+import argparse
+import re
+from pathlib import Path
+from typing import NoReturn, Optional, Tuple
+
+from ..config import PREFILL_COMPACT, SCORE_MODES, H2OConfig
+
+# H2OConfig / QuantConfig fields -> the flags that set them (error messages).
+FIELD_FLAGS = {
+    "max_size": "--h2o-max-size",
+    "sink_size": "--h2o-sink-size",
+    "heavy_budget": "--h2o-heavy-budget",
+    "recent_budget": "--h2o-recent-budget",
+    "score": "--h2o-score",
+    "prefill_window": "--h2o-prefill-window",
+    "prefill_pool": "--h2o-prefill-pool",
+    "prefill_compact": "--h2o-prefill-compact",
+    "evict_batch": "--h2o-evict-batch",
+    "layer_budget": "--h2o-layer-budget",
+    "bits": "--h2o-kv-bits",
+    "group_size": "--h2o-kv-group-size",
+    "recent_bits": "--h2o-kv-recent-bits",
+}
+# Every --h2o-* option's dest and the value it means when not given.
+H2O_DEFAULTS = {
+    "h2o_max_size": 256, "h2o_heavy_budget": None, "h2o_recent_budget": None,
+    "h2o_sink_size": 4, "h2o_score": None, "h2o_prefill_window": None,
+    "h2o_prefill_pool": None, "h2o_prefill_compact": None, "h2o_evict_batch": None,
+    "h2o_layer_budget": "auto", "h2o_kv_bits": None, "h2o_kv_group_size": 64,
+    "h2o_kv_recent_bits": None,
+}
+_LIB = {"score": "accumulated", "prefill_window": 32, "prefill_pool": 11,
+        "prefill_compact": "chunk", "evict_batch": 1}
+
+
+def fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    """End the command as argparse does for a bad flag: one line, exit code 2."""
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+def flagify(message: str) -> str:
+    """A config error in the flags' words: ``max_size must be >= 1`` ->
+    ``--h2o-max-size must be >= 1``. Names without an underscore (``bits``,
+    ``score``) are replaced only as ``name=`` (they are ordinary words too)."""
+    for field, flag in FIELD_FLAGS.items():
+        pattern = rf"\b{field}\b" if "_" in field else rf"\b{field}(?==)"
+        message = re.sub(pattern, flag, message)
+    return message.replace("leave one budget unset to derive it",
+                           "drop --h2o-heavy-budget or --h2o-recent-budget to derive it")
+
+
+def add_h2o_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("H2O eviction (every default: mlx_h2o.H2OConfig's)")
+    g.add_argument("--h2o-max-size", type=int, default=None, metavar="N",
+                   help="KV budget in tokens per layer (default: 256). Under "
+                   "--h2o-layer-budget auto (a packaged model) or a profile it is the "
+                   "mean over layers: each layer gets max_size/4..4*max_size, the "
+                   "total is max_size x layers")
+    g.add_argument("--h2o-heavy-budget", type=int, default=None, metavar="N",
+                   help="Heavy-hitter slots (default: half of what sinks leave)")
+    g.add_argument("--h2o-recent-budget", type=int, default=None, metavar="N",
+                   help="Recent-window slots (default: the rest)")
+    g.add_argument("--h2o-sink-size", type=int, default=None, metavar="N",
+                   help="Attention-sink positions always kept (default: 4)")
+    g.add_argument("--h2o-score", choices=SCORE_MODES, default=None,
+                   help=f"Score mode (default: {_LIB['score']})")
+    g.add_argument("--h2o-prefill-window", type=int, default=None, metavar="N",
+                   help="Score a prompt chunk that overflows the budget by its last N "
+                   f"queries only (default: {_LIB['prefill_window']}; 0 = all)")
+    g.add_argument("--h2o-prefill-pool", type=int, default=None, metavar="N",
+                   help="Max-pool such a chunk's scores over N neighbouring positions "
+                   f"(default: {_LIB['prefill_pool']})")
+    g.add_argument("--h2o-prefill-compact", choices=PREFILL_COMPACT, default=None,
+                   help="Compact an overflowing prompt after each prefill chunk "
+                   "('chunk') or once, at the first decode step, scored by the last "
+                   f"chunk ('prompt'; default: {_LIB['prefill_compact']})")
+    g.add_argument("--h2o-evict-batch", type=int, default=None, metavar="K",
+                   help="A full cache evicts K tokens at once, then appends "
+                   "(sliding-window speed; 1 = per-step H2O; default: "
+                   f"{_LIB['evict_batch']}; not with --h2o-kv-recent-bits)")
+    g.add_argument("--h2o-layer-budget", default=None, metavar="{auto,uniform,PATH}",
+                   help="Share the budget between layers: 'auto' = the shipped layer "
+                   "profile of a packaged model, else uniform; 'uniform' = max_size in "
+                   "every layer; or a profile file from `mlx-h2o calibrate` "
+                   "(default: auto)")
+    g.add_argument("--h2o-kv-bits", type=int, choices=(4, 8), default=None,
+                   help="Quantize the kept K/V (QuantizedH2OKVCache; default: dense)")
+    g.add_argument("--h2o-kv-group-size", type=int, choices=(32, 64, 128), default=None,
+                   help="Quantization group size along head_dim (default: 64)")
+    g.add_argument("--h2o-kv-recent-bits", type=int, choices=(4,), default=None,
+                   help="Mixed precision: recent window at these bits, the rest "
+                   "at --h2o-kv-bits (e.g. 8 heavy / 4 recent)")
+    g.add_argument("--no-h2o", action="store_true",
+                   help="Plain mlx-lm caches (for comparison); no --h2o-* flag applies")
+
+
+def given_h2o_flags(args) -> list:
+    """The --h2o-* flags given on the command line (their values are not None)."""
+    return ["--" + d.replace("_", "-") for d in H2O_DEFAULTS if getattr(args, d) is not None]
+
+
+def h2o_value(args, dest: str):
+    value = getattr(args, dest)
+    return H2O_DEFAULTS[dest] if value is None else value
+
+
+def h2o_config_from_args(args) -> Optional[H2OConfig]:
+    """The H2OConfig the flags ask for (None with --no-h2o); raises ValueError /
+    TypeError in the config's words (``check_h2o_args`` turns them into flags)."""
+    if args.no_h2o:
+        return None
+    options = dict(score=args.h2o_score, prefill_window=args.h2o_prefill_window,
+                   prefill_pool=args.h2o_prefill_pool,
+                   prefill_compact=args.h2o_prefill_compact,
+                   evict_batch=args.h2o_evict_batch)
+    return H2OConfig(
+        max_size=h2o_value(args, "h2o_max_size"), sink_size=h2o_value(args, "h2o_sink_size"),
+        heavy_budget=args.h2o_heavy_budget, recent_budget=args.h2o_recent_budget,
+        **{k: v for k, v in options.items() if v is not None},
+    )
+
+
+def quant_config_from_args(args):
+    from ..cache.quantized import QuantConfig
+
+    if args.h2o_kv_bits is None:
+        if args.h2o_kv_recent_bits is not None:
+            raise ValueError("--h2o-kv-recent-bits needs --h2o-kv-bits (e.g. 8)")
+        if args.h2o_kv_group_size is not None:
+            raise ValueError("--h2o-kv-group-size needs --h2o-kv-bits (4 or 8)")
+        return None
+    return QuantConfig(bits=args.h2o_kv_bits, group_size=h2o_value(args, "h2o_kv_group_size"),
+                       recent_bits=args.h2o_kv_recent_bits)
+
+
+def check_h2o_args(parser, args) -> Tuple[Optional[H2OConfig], object]:
+    """(H2OConfig or None, QuantConfig or None) from the flags; a user error ends
+    the command (``fail``)."""
+    given = given_h2o_flags(args)
+    if args.no_h2o:
+        if given:
+            fail(parser, f"{given[0]} has no effect with --no-h2o: drop one of them")
+        return None, None
+    try:
+        config = h2o_config_from_args(args)
+        quant = quant_config_from_args(args)
+    except (ValueError, TypeError) as e:
+        fail(parser, flagify(str(e)))
+    if quant is not None and quant.mixed and config.evict_batch > 1:
+        fail(parser, "--h2o-evict-batch applies to dense and single-precision caches; "
+             "mixed precision (--h2o-kv-recent-bits) evicts every step: drop one of them")
+    budget = h2o_value(args, "h2o_layer_budget")
+    if budget not in ("auto", "uniform"):
+        from ..profiles import load_profile
+
+        try:
+            load_profile(budget)
+        except ValueError as e:
+            fail(parser, f"--h2o-layer-budget {budget}: {e}")
+    return config, quant
+
+
+def check_model_arg(parser, name: Optional[str], flag: str = "--model") -> None:
+    """A --model that is neither a packaged model, an existing folder nor a
+    Hugging Face repo id ends the command before anything loads."""
+    from ..models import PACKAGED_MODELS
+
+    if name is None or name in PACKAGED_MODELS:
+        return
+    path = Path(name).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        fail(parser, f"{flag} {name}: this folder has no config.json (not an mlx-lm "
+             "model folder)")
+    if path.exists() or _is_repo_id(name):
+        return
+    known = ", ".join(sorted(PACKAGED_MODELS))
+    fail(parser, f"{flag} {name}: no such folder; use a packaged model ({known}), an "
+         "mlx-lm model folder or a Hugging Face repo id (owner/name)")
+
+
+def _is_repo_id(name: str) -> bool:
+    if name.count("/") != 1 or name.startswith((".", "/", "~")):
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+        return True
+    except HFValidationError:
+        return False
+
+
+def load_model_or_fail(parser, name: Optional[str], flag: str = "--model", **kwargs):
+    """``mlx_h2o.models.load_model``; a model that cannot be found or fetched ends
+    the command with one line."""
+    from ..models import load_model
+
+    check_model_arg(parser, name, flag)
+    try:
+        return load_model(name, **kwargs)
+    except (OSError, ValueError) as e:
+        if type(e).__module__.startswith("huggingface_hub"):
+            fail(parser, f"{flag} {name}: not a local folder or packaged model, and the "
+                 "Hugging Face Hub has no such repo or cannot be reached "
+                 f"({type(e).__name__})")
+        first = next((l for l in str(e).splitlines() if l.strip()), "")
+        fail(parser, f"{flag} {name}: could not load it ({type(e).__name__}: {first})")
