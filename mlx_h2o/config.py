@@ -16,7 +16,11 @@ class H2OConfig:
     positions (recent window) and the ``heavy_budget`` other tokens with the
     highest score (heavy hitters). ``max_size = sink + heavy + recent``.
     Leave ``heavy_budget`` or ``recent_budget`` (or both) as ``None`` to derive
-    it: with both unset the remainder is split in half (heavy gets the extra).
+    it: with both unset the remainder is split in half (heavy gets the extra;
+    the recent window gets at least 1 slot, so heavy may be 0).
+
+    Every field is checked here: a wrong type raises TypeError, a bad value
+    ValueError, each naming the field and the fix.
 
     Score modes (one score per KV head, mean over the query heads of its group):
       - ``"ema"``: EMA of |logit| over decode steps (the H2O-in-MLX paper),
@@ -98,29 +102,21 @@ class H2OConfig:
     evict_batch: int = 1
 
     def __post_init__(self):
-        _check_int("max_size", self.max_size, 1)
-        _check_int("sink_size", self.sink_size, 0)
-        _check_int("step", self.step, 1)
-        _check_int("prefill_window", self.prefill_window, 0)
-        _check_int("prefill_pool", self.prefill_pool, 0)
+        check_int("max_size", self.max_size, 1)
+        check_int("sink_size", self.sink_size, 0)
         heavy, recent = _split(
             self.max_size, self.sink_size, self.heavy_budget, self.recent_budget
         )
         object.__setattr__(self, "heavy_budget", heavy)
         object.__setattr__(self, "recent_budget", recent)
-        if self.score not in SCORE_MODES:
-            raise ValueError(
-                f"score={self.score!r} is not a score mode; use one of {SCORE_MODES}"
-            )
-        if self.prefill_compact not in PREFILL_COMPACT:
-            raise ValueError(
-                f"prefill_compact={self.prefill_compact!r} is not a compaction point; "
-                f"use one of {PREFILL_COMPACT}"
-            )
-        if not 0.0 < self.ema_alpha < 1.0:
-            raise ValueError(f"ema_alpha must be in (0, 1), got {self.ema_alpha}")
+        _check_choice("score", self.score, SCORE_MODES)
+        _check_alpha(self.ema_alpha)
         object.__setattr__(self, "pinned", _check_pinned(self.pinned, heavy))
-        _check_int("evict_batch", self.evict_batch, 1)
+        check_int("step", self.step, 1)
+        check_int("prefill_window", self.prefill_window, 0)
+        check_int("prefill_pool", self.prefill_pool, 0)
+        _check_choice("prefill_compact", self.prefill_compact, PREFILL_COMPACT)
+        check_int("evict_batch", self.evict_batch, 1)
         room = heavy - self.pinned_count
         if self.evict_batch > max(room, 1):
             raise ValueError(
@@ -133,61 +129,128 @@ class H2OConfig:
         return sum(end - start for start, end in self.pinned)
 
 
-def _check_int(name, value, lowest):
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < lowest:
-        raise ValueError(f"{name} must be >= {lowest}, got {value}")
+def is_int(value) -> bool:
+    """A Python int that is not a bool (``True`` is an int subclass)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(name: str, value, lowest: Optional[int] = None) -> int:
+    """``value`` if it is an int (not a bool) >= ``lowest``: else TypeError /
+    ValueError naming ``name``."""
+    if not is_int(value):
+        raise TypeError(
+            f"{name} must be an int, got {value!r} ({type(value).__name__})"
+        )
+    if lowest is not None and value < lowest:
+        raise ValueError(
+            f"{name} must be >= {lowest}, got {value}: use {name} >= {lowest}"
+        )
+    return value
+
+
+def check_window_size(window_size: Optional[int]) -> Optional[int]:
+    """``window_size`` of a cache: None (full attention) or an int >= 1."""
+    if window_size is None:
+        return None
+    return check_int("window_size", window_size, 1)
+
+
+def _check_choice(name, value, choices):
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{name} must be a str, one of {choices}; "
+            f"got {value!r} ({type(value).__name__})"
+        )
+    if value not in choices:
+        what = "a score mode" if name == "score" else "a compaction point"
+        raise ValueError(f"{name}={value!r} is not {what}; use one of {choices}")
+
+
+def _check_alpha(alpha):
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise TypeError(
+            "ema_alpha must be a float in (0, 1), "
+            f"got {alpha!r} ({type(alpha).__name__})"
+        )
+    if not 0.0 < alpha < 1.0:  # NaN fails too
+        raise ValueError(
+            f"ema_alpha must be in (0, 1), got {alpha}: e.g. ema_alpha=0.95"
+        )
 
 
 def _split(max_size, sink, heavy, recent):
+    """(heavy, recent) with ``sink + heavy + recent == max_size``; unset budgets
+    are derived (both unset: recent gets half of the rest, at least 1)."""
     for name, v in (("heavy_budget", heavy), ("recent_budget", recent)):
         if v is not None:
-            _check_int(name, v, 0)
+            check_int(name, v, 0)
     if sink >= max_size:
         raise ValueError(
             f"sink_size={sink} leaves no room in max_size={max_size}: "
             "use a sink_size smaller than max_size"
         )
     rest = max_size - sink
-    if heavy is None and recent is None:
-        recent = rest // 2
-        heavy = rest - recent
-    elif heavy is None:
-        heavy = rest - recent
-    elif recent is None:
-        recent = rest - heavy
-    if heavy < 0 or recent < 0 or sink + heavy + recent != max_size:
+    if heavy is not None and recent is not None and sink + heavy + recent != max_size:
         raise ValueError(
             f"sink_size + heavy_budget + recent_budget = {sink} + {heavy} + {recent}"
             f" must equal max_size={max_size}: leave one budget unset to derive it"
         )
-    if recent < 1:
+    if recent is not None and recent < 1:
         raise ValueError(
-            "recent_budget must be >= 1: the newest token must stay in the cache"
+            f"recent_budget must be >= 1, got {recent}: the newest token must stay "
+            "in the cache; leave it unset to derive it"
         )
-    return heavy, recent
+    if recent is not None and recent > rest:
+        raise ValueError(
+            f"recent_budget={recent} exceeds max_size - sink_size = {rest}: use "
+            f"recent_budget <= {rest}, or leave it unset"
+        )
+    if heavy is not None and heavy >= rest:
+        raise ValueError(
+            "recent_budget must be >= 1 (the newest token must stay in the cache), "
+            f"but heavy_budget={heavy} leaves max_size - sink_size - heavy_budget = "
+            f"{rest - heavy}: use heavy_budget <= {rest - 1}, or leave it unset"
+        )
+    if recent is None:
+        recent = rest - heavy if heavy is not None else max(rest // 2, 1)
+    return rest - recent, recent
 
 
 def _check_pinned(pinned, heavy):
+    if not isinstance(pinned, (tuple, list)):
+        raise TypeError(
+            "pinned must be a tuple of (start, end) int pairs, got "
+            f"{pinned!r} ({type(pinned).__name__}): e.g. pinned=((0, 8),) or ()"
+        )
     ranges = []
     for r in pinned:
-        if len(r) != 2 or not all(isinstance(x, int) for x in r) or r[0] >= r[1]:
+        if not isinstance(r, (tuple, list)) or len(r) != 2 or not all(map(is_int, r)):
+            raise TypeError(
+                f"pinned must be a tuple of (start, end) int pairs; {r!r} in "
+                f"pinned={pinned!r} is not one (one range: pinned=((start, end),))"
+            )
+        if r[0] >= r[1]:
             raise ValueError(
-                f"pinned range {r!r} must be (start, end) ints with start < end"
+                f"pinned range {r!r} must be (start, end) with start < end: "
+                "write it as (first position, last position + 1)"
             )
         if r[0] < 0:
-            raise ValueError(f"pinned range {r!r} starts before position 0")
-        ranges.append((int(r[0]), int(r[1])))
+            raise ValueError(
+                f"pinned range {r!r} starts before position 0: start it at >= 0"
+            )
+        ranges.append((r[0], r[1]))
     ranges.sort()
     for (_, e0), (s1, _) in zip(ranges, ranges[1:]):
         if s1 < e0:
-            raise ValueError(f"pinned ranges overlap: {ranges}")
+            raise ValueError(
+                f"pinned ranges overlap: {ranges}; merge them into one range"
+            )
     count = sum(e - s for s, e in ranges)
     if count > heavy:
         raise ValueError(
-            f"{count} pinned positions exceed heavy_budget={heavy}: "
-            "pinned tokens use heavy-hitter slots; raise heavy_budget"
+            f"pinned ranges {list(ranges)} hold {count} positions, which exceed "
+            f"heavy_budget={heavy}: pinned tokens use heavy-hitter slots; "
+            "raise heavy_budget"
         )
     return tuple(ranges)
 
@@ -195,7 +258,7 @@ def _check_pinned(pinned, heavy):
 def with_max_size(config: H2OConfig, max_size: int) -> H2OConfig:
     """``config`` at another ``max_size``: same sink, heavy and recent scaled by
     the same factor (heavy rounded to nearest, recent gets the rest, >= 1)."""
-    _check_int("max_size", max_size, 1)
+    check_int("max_size", max_size, 1)
     sink = config.sink_size
     if max_size < sink + 2:
         raise ValueError(
@@ -206,8 +269,13 @@ def with_max_size(config: H2OConfig, max_size: int) -> H2OConfig:
     heavy = min(int(config.heavy_budget * rest / old + 0.5), rest - 1)
     # A smaller layer evicts fewer at once: never more than its free heavy slots.
     batch = max(1, min(config.evict_batch, heavy - config.pinned_count))
-    return replace(config, max_size=max_size, heavy_budget=heavy, recent_budget=rest - heavy,
-                   evict_batch=batch)
+    return replace(
+        config,
+        max_size=max_size,
+        heavy_budget=heavy,
+        recent_budget=rest - heavy,
+        evict_batch=batch,
+    )
 
 
 def config_to_dict(config: H2OConfig) -> Dict[str, Any]:
@@ -223,6 +291,15 @@ def config_to_dict(config: H2OConfig) -> Dict[str, Any]:
 
 
 def config_from_dict(d: Dict[str, Any]) -> H2OConfig:
+    """The config ``config_to_dict`` wrote (JSON lists back to tuples)."""
+    if not isinstance(d, dict):
+        raise TypeError(
+            f"a config must be a dict of H2OConfig fields, got {type(d).__name__}"
+        )
     d = dict(d)
-    d["pinned"] = tuple(tuple(r) for r in d.get("pinned", ()))
+    pinned = d.get("pinned", ())
+    if isinstance(
+        pinned, list
+    ):  # JSON has no tuples; anything else is checked as given
+        d["pinned"] = tuple(tuple(r) if isinstance(r, list) else r for r in pinned)
     return H2OConfig(**d)

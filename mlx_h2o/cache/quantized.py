@@ -16,7 +16,7 @@ from typing import Optional
 import mlx.core as mx
 
 from .. import policy
-from ..config import H2OConfig, config_from_dict
+from ..config import H2OConfig, check_int, config_from_dict
 from ..kernels.quantized_reference import BITS, check_quantization
 from .h2o import H2OKVCache
 from .io import register_cache_class
@@ -34,6 +34,8 @@ class QuantConfig:
     sinks / pinned tokens / heavy hitters, while the recent window is stored at
     ``recent_bits`` (mixed precision; must be narrower). Groups of
     ``group_size`` values along head_dim share a float scale and bias.
+    Widths: those the quantized kernels read, ``BITS`` = (2, 4, 8); group
+    sizes: ``GROUP_SIZES`` = (32, 64, 128) (kernels/quantized_reference.py).
     """
 
     bits: int = 8
@@ -41,6 +43,10 @@ class QuantConfig:
     recent_bits: int | None = None
 
     def __post_init__(self):
+        check_int("bits", self.bits)
+        check_int("group_size", self.group_size)
+        if self.recent_bits is not None:
+            check_int("recent_bits", self.recent_bits)
         check_quantization(self.bits, self.group_size)
         if self.recent_bits is not None:
             if self.recent_bits not in BITS:
