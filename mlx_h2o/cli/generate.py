@@ -18,6 +18,7 @@ from ..models import DEFAULT_MODEL
 from .h2o_args import (  # noqa: F401  (h2o_config_from_args: tests and scripts)
     add_h2o_args,
     check_h2o_args,
+    check_mlx_lm_cache_flags,
     check_model_arg,
     fail,
     given_h2o_flags,
@@ -51,17 +52,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 def check_args(parser, args):
     """Every user error, before anything loads: (H2OConfig or None, QuantConfig or None)."""
-    h2o = not args.no_h2o
     if args.image:
         fail(parser, "--image: mlx-h2o generate runs text models only; use mlx_lm.generate")
-    if h2o and args.max_kv_size is not None:
-        fail(parser, f"--max-kv-size bounds mlx-lm's RotatingKVCache, but H2O (on by "
-             f"default) bounds the cache: use --h2o-max-size {args.max_kv_size} instead, "
-             "or add --no-h2o for mlx-lm's rotating cache")
-    if h2o and args.kv_bits is not None:
-        bits = args.kv_bits if args.kv_bits in (4, 8) else 8
-        fail(parser, f"--kv-bits quantizes mlx-lm's cache: for a quantized H2O cache use "
-             f"--h2o-kv-bits {bits} instead, or add --no-h2o for mlx-lm's")
+    check_mlx_lm_cache_flags(parser, args)
     if args.prompt_cache_file is not None:
         _check_cache_file(parser, args)
     config, quant = check_h2o_args(parser, args)
@@ -159,10 +152,16 @@ def _prompt_tokens(args, tokenizer, continues: bool) -> List[int]:
 
 def _model_name(parser, args, metadata) -> Optional[str]:
     made_with = (metadata or {}).get("model")
-    if made_with and args.model is not None and args.model != made_with:
+    if made_with and args.model is not None and not _same_model(args.model, made_with):
         fail(parser, f"--model {args.model}: the --prompt-cache-file was made with "
              f"{made_with}; drop --model or make the cache with this model")
     return args.model or made_with
+
+
+def _same_model(a: str, b: str) -> bool:
+    from ..models import resolve_model
+
+    return a == b or Path(resolve_model(a)).resolve() == Path(resolve_model(b)).resolve()
 
 
 def _build_cache(parser, args, model, draft, config, quant):
@@ -245,6 +244,6 @@ def layer_budget_line(cache, layer_budget, from_file=None) -> str:
     origin = f"from {from_file}" if from_file else layer_budget
     if len(set(sizes)) == 1:
         return f"Layer budget ({origin}): uniform, max_size {sizes[0]} per layer"
+    mean = f"mean {sum(sizes) / len(sizes):.0f}" + ("" if from_file else " (--h2o-max-size)")
     return (f"Layer budget ({origin}): max_size {min(sizes)}..{max(sizes)} per layer, "
-            f"mean {sum(sizes) / len(sizes):.0f} (--h2o-max-size), total {sum(sizes)} over "
-            f"{len(sizes)} layers")
+            f"{mean}, total {sum(sizes)} over {len(sizes)} layers")

@@ -139,6 +139,20 @@ def quant_config_from_args(args):
                        recent_bits=args.h2o_kv_recent_bits)
 
 
+def check_mlx_lm_cache_flags(parser, args) -> None:
+    """mlx-lm's own cache flags (--max-kv-size, --kv-bits) need --no-h2o."""
+    if args.no_h2o:
+        return
+    if args.max_kv_size is not None:
+        fail(parser, f"--max-kv-size bounds mlx-lm's RotatingKVCache, but H2O (on by "
+             f"default) bounds the cache: use --h2o-max-size {args.max_kv_size} instead, "
+             "or add --no-h2o for mlx-lm's rotating cache")
+    if args.kv_bits is not None:
+        bits = args.kv_bits if args.kv_bits in (4, 8) else 8
+        fail(parser, f"--kv-bits quantizes mlx-lm's cache: for a quantized H2O cache use "
+             f"--h2o-kv-bits {bits} instead, or add --no-h2o for mlx-lm's")
+
+
 def check_h2o_args(parser, args) -> Tuple[Optional[H2OConfig], object]:
     """(H2OConfig or None, QuantConfig or None) from the flags; a user error ends
     the command (``fail``)."""
