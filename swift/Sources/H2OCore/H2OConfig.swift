@@ -37,8 +37,10 @@ public struct H2OConfigError: Error, Equatable, CustomStringConvertible {
 /// and the `heavyBudget` other tokens with the highest score (heavy hitters);
 /// `maxSize = sink + heavy + recent`. Leave `heavyBudget` or `recentBudget` (or
 /// both) `nil` to derive it: with both unset the remainder is split in half
-/// (heavy gets the extra). `pinned` holds half-open position ranges that are
-/// never evicted; they use heavy-hitter slots.
+/// (heavy gets the extra; the recent window gets at least 1 slot, so heavy may
+/// be 0). `pinned` holds half-open position ranges that are never evicted; they
+/// use heavy-hitter slots. Checks run in the Python package's order, each
+/// throwing its message.
 public struct H2OConfig: Equatable, Sendable {
     public let maxSize: Int
     public let sinkSize: Int
@@ -64,20 +66,22 @@ public struct H2OConfig: Equatable, Sendable {
     ) throws {
         try checkInt("max_size", maxSize, 1)
         try checkInt("sink_size", sinkSize, 0)
+        let (heavy, recent) = try split(maxSize, sinkSize, heavyBudget, recentBudget)
+        guard emaAlpha > 0, emaAlpha < 1 else {  // NaN fails too
+            throw H2OConfigError(
+                "ema_alpha must be in (0, 1), got \(emaAlpha): e.g. ema_alpha=0.95")
+        }
+        let pinned = try checkPinned(pinned, heavy: heavy)
         try checkInt("step", step, 1)
         try checkInt("prefill_window", prefillWindow, 0)
         try checkInt("prefill_pool", prefillPool, 0)
-        let (heavy, recent) = try split(maxSize, sinkSize, heavyBudget, recentBudget)
-        guard emaAlpha > 0, emaAlpha < 1 else {
-            throw H2OConfigError("ema_alpha must be in (0, 1), got \(emaAlpha)")
-        }
         self.maxSize = maxSize
         self.sinkSize = sinkSize
         self.heavyBudget = heavy
         self.recentBudget = recent
         self.score = score
         self.emaAlpha = emaAlpha
-        self.pinned = try checkPinned(pinned, heavy: heavy)
+        self.pinned = pinned
         self.step = step
         self.prefillWindow = prefillWindow
         self.prefillPool = prefillPool
@@ -88,24 +92,46 @@ public struct H2OConfig: Equatable, Sendable {
 }
 
 /// Pinned ranges from `[start, end]` pairs (the JSON form), rejecting bad pairs
-/// with the Python package's messages.
+/// with the Python package's messages (each pair checked in order, as Python does).
 public func pinnedRanges(_ pairs: [[Int]]) throws -> [Range<Int>] {
     try pairs.map { pair in
-        guard pair.count == 2, pair[0] < pair[1] else {
-            let shown = "(" + pair.map(String.init).joined(separator: ", ") + ")"
+        guard pair.count == 2 else {
+            let all = pythonTuple(pairs.map { pythonTuple($0.map(String.init)) })
             throw H2OConfigError(
-                "pinned range \(shown) must be (start, end) ints with start < end")
+                "pinned must be a tuple of (start, end) int pairs; "
+                    + "\(pythonTuple(pair.map(String.init))) in pinned=\(all) is not one "
+                    + "(one range: pinned=((start, end),))")
         }
+        let shown = "(\(pair[0]), \(pair[1]))"
+        if pair[0] >= pair[1] { throw pinnedOrderError(shown) }
+        if pair[0] < 0 { throw pinnedStartError(shown) }
         return pair[0] ..< pair[1]
     }
 }
 
+/// Python's `repr` of a tuple of already-shown items: `(a, b)`, `(a,)`, `()`.
+private func pythonTuple(_ items: [String]) -> String {
+    items.count == 1 ? "(\(items[0]),)" : "(" + items.joined(separator: ", ") + ")"
+}
+
+private func pinnedOrderError(_ shown: String) -> H2OConfigError {
+    H2OConfigError(
+        "pinned range \(shown) must be (start, end) with start < end: "
+            + "write it as (first position, last position + 1)")
+}
+
+private func pinnedStartError(_ shown: String) -> H2OConfigError {
+    H2OConfigError("pinned range \(shown) starts before position 0: start it at >= 0")
+}
+
 private func checkInt(_ name: String, _ value: Int, _ lowest: Int) throws {
     if value < lowest {
-        throw H2OConfigError("\(name) must be >= \(lowest), got \(value)")
+        throw H2OConfigError("\(name) must be >= \(lowest), got \(value): use \(name) >= \(lowest)")
     }
 }
 
+/// (heavy, recent) with `sink + heavy + recent == maxSize`; unset budgets are
+/// derived (both unset: recent gets half of the rest, at least 1).
 private func split(_ maxSize: Int, _ sink: Int, _ heavy: Int?, _ recent: Int?) throws
     -> (Int, Int)
 {
@@ -117,47 +143,48 @@ private func split(_ maxSize: Int, _ sink: Int, _ heavy: Int?, _ recent: Int?) t
                 + "use a sink_size smaller than max_size")
     }
     let rest = maxSize - sink
-    let h: Int
-    let r: Int
-    switch (heavy, recent) {
-    case (nil, nil): (h, r) = (rest - rest / 2, rest / 2)
-    case (nil, let recent?): (h, r) = (rest - recent, recent)
-    case (let heavy?, nil): (h, r) = (heavy, rest - heavy)
-    case (let heavy?, let recent?): (h, r) = (heavy, recent)
-    }
-    if h < 0 || r < 0 || sink + h + r != maxSize {
+    if let heavy, let recent, sink + heavy + recent != maxSize {
         throw H2OConfigError(
-            "sink_size + heavy_budget + recent_budget = \(sink) + \(h) + \(r)"
+            "sink_size + heavy_budget + recent_budget = \(sink) + \(heavy) + \(recent)"
                 + " must equal max_size=\(maxSize): leave one budget unset to derive it")
     }
-    if r < 1 {
+    if let recent, recent < 1 {
         throw H2OConfigError(
-            "recent_budget must be >= 1: the newest token must stay in the cache")
+            "recent_budget must be >= 1, got \(recent): the newest token must stay "
+                + "in the cache; leave it unset to derive it")
     }
-    return (h, r)
+    if let recent, recent > rest {
+        throw H2OConfigError(
+            "recent_budget=\(recent) exceeds max_size - sink_size = \(rest): use "
+                + "recent_budget <= \(rest), or leave it unset")
+    }
+    if let heavy, heavy >= rest {
+        throw H2OConfigError(
+            "recent_budget must be >= 1 (the newest token must stay in the cache), "
+                + "but heavy_budget=\(heavy) leaves max_size - sink_size - heavy_budget = "
+                + "\(rest - heavy): use heavy_budget <= \(rest - 1), or leave it unset")
+    }
+    let r = recent ?? heavy.map { rest - $0 } ?? max(rest / 2, 1)
+    return (rest - r, r)
 }
 
 private func checkPinned(_ pinned: [Range<Int>], heavy: Int) throws -> [Range<Int>] {
     let show = { (r: Range<Int>) in "(\(r.lowerBound), \(r.upperBound))" }
     for r in pinned {
-        if r.isEmpty {
-            throw H2OConfigError(
-                "pinned range \(show(r)) must be (start, end) ints with start < end")
-        }
-        if r.lowerBound < 0 {
-            throw H2OConfigError("pinned range \(show(r)) starts before position 0")
-        }
+        if r.isEmpty { throw pinnedOrderError(show(r)) }
+        if r.lowerBound < 0 { throw pinnedStartError(show(r)) }
     }
     let ranges = pinned.sorted { ($0.lowerBound, $0.upperBound) < ($1.lowerBound, $1.upperBound) }
+    let shown = "[" + ranges.map(show).joined(separator: ", ") + "]"
     for (a, b) in zip(ranges, ranges.dropFirst()) where b.lowerBound < a.upperBound {
-        let shown = "[" + ranges.map(show).joined(separator: ", ") + "]"
-        throw H2OConfigError("pinned ranges overlap: \(shown)")
+        throw H2OConfigError("pinned ranges overlap: \(shown); merge them into one range")
     }
     let count = ranges.reduce(0) { $0 + $1.count }
     if count > heavy {
         throw H2OConfigError(
-            "\(count) pinned positions exceed heavy_budget=\(heavy): "
-                + "pinned tokens use heavy-hitter slots; raise heavy_budget")
+            "pinned ranges \(shown) hold \(count) positions, which exceed "
+                + "heavy_budget=\(heavy): pinned tokens use heavy-hitter slots; "
+                + "raise heavy_budget")
     }
     return ranges
 }

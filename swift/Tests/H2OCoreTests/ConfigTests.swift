@@ -37,6 +37,64 @@ struct ConfigTests {
         let pinned = try H2OConfig(maxSize: 16, sinkSize: 1, recentBudget: 3, pinned: [8 ..< 9, 2 ..< 5])
         #expect(pinned.pinned == [2 ..< 5, 8 ..< 9])
         #expect(pinned.pinnedCount == 4)
+        // Both unset: the recent window gets at least 1 slot, heavy may be 0.
+        #expect(try H2OConfig(maxSize: 5, sinkSize: 4).heavyBudget == 0)
+        #expect(try H2OConfig(maxSize: 5, sinkSize: 4).recentBudget == 1)
+        #expect(try H2OConfig(maxSize: 6, sinkSize: 4).heavyBudget == 1)
+        #expect(try H2OConfig(maxSize: 5, sinkSize: 4, heavyBudget: 0).recentBudget == 1)
+    }
+
+    /// Messages and check order of mlx_h2o/config.py beyond config_cases.json
+    /// (the texts Python raises for the same arguments).
+    @Test("checks in Python's order, with its messages")
+    func pythonOrder() throws {
+        func message(_ make: () throws -> Any) -> String? {
+            do { _ = try make() } catch { return (error as? H2OConfigError)?.message }
+            return nil
+        }
+        #expect(message { try H2OConfig(maxSize: 8, recentBudget: 0) }
+            == "recent_budget must be >= 1, got 0: the newest token must stay in the cache; "
+                + "leave it unset to derive it")
+        #expect(message { try H2OConfig(maxSize: 8, heavyBudget: 4, recentBudget: 0) }
+            == "recent_budget must be >= 1, got 0: the newest token must stay in the cache; "
+                + "leave it unset to derive it")
+        #expect(message { try H2OConfig(maxSize: 8, recentBudget: 5) }
+            == "recent_budget=5 exceeds max_size - sink_size = 4: use recent_budget <= 4, "
+                + "or leave it unset")
+        #expect(message { try H2OConfig(maxSize: 8, heavyBudget: 4) }
+            == "recent_budget must be >= 1 (the newest token must stay in the cache), but "
+                + "heavy_budget=4 leaves max_size - sink_size - heavy_budget = 0: use "
+                + "heavy_budget <= 3, or leave it unset")
+        #expect(message { try H2OConfig(maxSize: 8, heavyBudget: 1, recentBudget: 2) }
+            == "sink_size + heavy_budget + recent_budget = 4 + 1 + 2 must equal max_size=8: "
+                + "leave one budget unset to derive it")
+        #expect(message { try H2OConfig(maxSize: 8, heavyBudget: -1, recentBudget: -1) }
+            == "heavy_budget must be >= 0, got -1: use heavy_budget >= 0")
+        #expect(message { try H2OConfig(maxSize: 0, step: 0) }
+            == "max_size must be >= 1, got 0: use max_size >= 1")
+        #expect(message { try H2OConfig(maxSize: 8, emaAlpha: 2.0, step: 0) }
+            == "ema_alpha must be in (0, 1), got 2.0: e.g. ema_alpha=0.95")
+        #expect(message { try H2OConfig(maxSize: 8, emaAlpha: 2.0, pinned: [3 ..< 3]) }
+            == "ema_alpha must be in (0, 1), got 2.0: e.g. ema_alpha=0.95")
+        #expect(message { try H2OConfig(maxSize: 8, pinned: [3 ..< 3], step: 0) }
+            == "pinned range (3, 3) must be (start, end) with start < end: "
+                + "write it as (first position, last position + 1)")
+        let overlapping = [0 ..< 2, 1 ..< 3, 5 ..< 20]
+        #expect(message { try H2OConfig(maxSize: 8, sinkSize: 1, recentBudget: 3, pinned: overlapping) }
+            == "pinned ranges overlap: [(0, 2), (1, 3), (5, 20)]; merge them into one range")
+        #expect(try H2OConfig(maxSize: 8, sinkSize: 1, recentBudget: 3, pinned: [10 ..< 14])
+            .heavyBudget == 4)
+        // Pairs are checked one by one, in order.
+        #expect(message { try pinnedRanges([[-1, 2], [3, 3]]) }
+            == "pinned range (-1, 2) starts before position 0: start it at >= 0")
+        let notPair = { (pair: String, all: String) in
+            "pinned must be a tuple of (start, end) int pairs; \(pair) in pinned=\(all) "
+                + "is not one (one range: pinned=((start, end),))"
+        }
+        #expect(message { try pinnedRanges([[1, 2, 3]]) } == notPair("(1, 2, 3)", "((1, 2, 3),)"))
+        #expect(message { try pinnedRanges([[0, 1], [1, 2, 3]]) }
+            == notPair("(1, 2, 3)", "((0, 1), (1, 2, 3))"))
+        #expect(message { try pinnedRanges([[5]]) } == notPair("(5,)", "((5,),)"))
     }
 
     @Test("rejects a bad window, a bad pinned pair, an unknown mode, prompt compaction")
@@ -44,7 +102,9 @@ struct ConfigTests {
         #expect(throws: H2OConfigError("window_size must be >= 1, got 0")) {
             try SlotLedger(config: H2OConfig(maxSize: 8), windowSize: 0)
         }
-        #expect(throws: H2OConfigError("pinned range (5, 2) must be (start, end) ints with start < end")) {
+        #expect(throws: H2OConfigError(
+            "pinned range (5, 2) must be (start, end) with start < end: "
+                + "write it as (first position, last position + 1)")) {
             try pinnedRanges([[5, 2]])
         }
         #expect(throws: H2OConfigError.self) { try ScoreMode(name: "sum") }
