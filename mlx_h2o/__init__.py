@@ -3,7 +3,7 @@
 Nothing is patched at import: use ``with mlx_h2o.patch():`` (or ``generate``).
 """
 
-from .cache import H2OKVCache
+from .cache import H2OKVCache, recover_prompt_cache
 from .config import SCORE_MODES, H2OConfig
 from .integration.factory import make_h2o_cache
 from .integration.generate import generate, stream_generate
@@ -21,6 +21,7 @@ __all__ = [
     "is_enabled",
     "make_h2o_cache",
     "patch",
+    "recover_prompt_cache",
     "stream_generate",
 ]
 __version__ = "0.1.0"

@@ -79,12 +79,13 @@ class H2OConfig:
     ``evict_batch`` > 1: a full cache evicts that many tokens at once (the
     lowest-ranked heavy-hitter candidates, as ``max_size - evict_batch``
     would keep them) and the next decode tokens are appended over them until
-    it is full again; decode steps still attend the evicted tokens not yet
-    overwritten. The steady decode step is then RotatingKVCache's (two slice
-    updates, MLX's SDPA over the whole buffer; scores folded in batches)
-    instead of a victim write and a score fold every token, for
-    ``evict_batch / 2`` fewer scored heavy hitters on average (docs/GPU.md,
-    docs/RESULTS.md: session 10). 1 (the default) is per-step H2O. At most
+    it is full again. Decode steps still attend the evicted tokens not yet
+    overwritten, but fold their scores over the kept slots only (an evicted
+    token is never scored again). The steady decode step is then
+    RotatingKVCache's (two slice updates, MLX's SDPA over the whole buffer;
+    scores folded in batches) instead of a victim write and a score fold
+    every token, for ``evict_batch / 2`` fewer scored heavy hitters on
+    average (docs/RESULTS.md). 1 (the default) is per-step H2O. At most
     ``heavy_budget`` minus the pinned positions.
     """
 

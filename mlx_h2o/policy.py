@@ -11,6 +11,7 @@ in score evict the older position first.
 from typing import Optional, Sequence, Tuple
 
 import mlx.core as mx
+import numpy as np
 
 
 def fold_scores(
@@ -117,6 +118,13 @@ def priority(
     return pri
 
 
+def sinks_first(pri: mx.array, positions: mx.array, sink_size: int) -> mx.array:
+    """``pri`` with protected slots other than sinks just below the sinks, for
+    a selection that may keep fewer slots than the protected zones hold."""
+    top = mx.where(positions < sink_size, mx.inf, np.finfo(np.float32).max)
+    return mx.where(pri == mx.inf, top, pri)
+
+
 def order_keys(pri: mx.array, positions: mx.array) -> mx.array:
     """Unique int64 keys ordering slots by (priority, position)."""
     bits = mx.view(pri.astype(mx.float32) + 0.0, mx.int32)  # + 0.0 folds -0 into 0
@@ -138,9 +146,14 @@ def keep_then_evict(pri: mx.array, positions: mx.array, k: int) -> mx.array:
     return mx.concatenate([order[..., n - k :][..., ::-1], order[..., : n - k]], axis=-1)
 
 
-def select_keep(pri: mx.array, positions: mx.array, k: int) -> mx.array:
-    """(B, n_kv_heads, k) slots of the k highest keys, in position order."""
+def select_keep(pri: mx.array, positions: mx.array, k: int,
+                drop: Optional[mx.array] = None) -> mx.array:
+    """(B, n_kv_heads, k) slots of the k highest keys, in position order;
+    slots where ``drop`` is True rank below every other (k must not exceed
+    the fewest slots any row keeps)."""
     keys = order_keys(pri, positions)
+    if drop is not None:
+        keys = mx.where(drop, mx.array(-(2**63), mx.int64), keys)
     top = mx.argsort(keys, axis=-1)[..., keys.shape[-1] - k :]
     order = mx.argsort(mx.take_along_axis(positions, top, axis=-1), axis=-1)
     return mx.take_along_axis(top, order, axis=-1)

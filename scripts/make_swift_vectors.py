@@ -153,6 +153,26 @@ def check_boundary(pri, k, ties_ok, where):
             raise ValueError(f"{where}: near tie {lo!r} vs {hi!r}; change the seed")
 
 
+def check_trim_boundary(cache, n, ties_ok, where):
+    """A trim past evicted tokens keeps each row's best held slots below the
+    cut, as many as the fewest any row holds: that choice must not be a near tie."""
+    cut = cache.offset - min(n, cache.offset)
+    if not cache.evicted or n <= 0:
+        return
+    pos = np.array(cache.positions[..., : cache.size()]).reshape(-1, cache.size())
+    pri = np.array(policy.sinks_first(mx.array(priorities(cache, cut)), cache.positions[
+        ..., : cache.size()], cache.config.sink_size)).reshape(pos.shape)
+    held = [p[q < cut] for p, q in zip(pri, pos)]
+    k = min(len(h) for h in held)
+    for h in held:
+        if 0 < k < len(h):
+            lo, hi = np.sort(h)[len(h) - k - 1 : len(h) - k + 1]
+            if np.isinf(lo) or hi >= np.finfo(np.float32).max or (lo == hi and ties_ok):
+                continue
+            if hi - lo <= MARGIN * max(abs(lo), abs(hi), 1e-3):
+                raise ValueError(f"{where}: near tie {lo!r} vs {hi!r} in a trim; change the seed")
+
+
 def state(cache, **extra):
     n = cache.size()
     record = {
@@ -219,6 +239,7 @@ def run_stream(s: Stream) -> dict:
     for i, item in enumerate(s.schedule):
         where = f"{s.name} step {i}"
         if isinstance(item, tuple):
+            check_trim_boundary(cache, item[1], s.ties_ok, where)
             trimmed = cache.trim(item[1])
             steps.append({"op": "trim", "n": item[1], "expect": state(cache, trimmed=trimmed)})
         else:

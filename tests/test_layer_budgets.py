@@ -105,7 +105,7 @@ def test_with_max_size_errors():
     cfg = H2OConfig(max_size=64, sink_size=4, pinned=((10, 30),))
     with pytest.raises(ValueError, match="below sink_size \\+ 2 = 6"):
         with_max_size(cfg, 5)
-    with pytest.raises(ValueError, match="pinned positions exceed heavy_budget"):
+    with pytest.raises(ValueError, match="positions, which exceed heavy_budget"):
         with_max_size(cfg, 16)
 
 

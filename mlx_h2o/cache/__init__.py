@@ -8,6 +8,7 @@ from .quantized import (
     QuantizedH2OKVCache,
     quantized_cache_type,
 )
+from .recover import recover_prompt_cache
 
 __all__ = [
     "H2OKVCache",
@@ -16,6 +17,7 @@ __all__ = [
     "QuantizedH2OKVCache",
     "load_prompt_cache",
     "quantized_cache_type",
+    "recover_prompt_cache",
     "register_cache_class",
     "save_prompt_cache",
 ]

@@ -133,6 +133,7 @@ class DeferredScores:
     """H2OKVCache's decode steps below the budget that queue their scores
     (a mixin: the cache owns ``_queue`` and the metadata)."""
 
+    _event_lazy = False  # a batch event's metadata is not evaluated yet
     # Decode steps that evict nothing attend with MLX's SDPA and fold their
     # scores in batches of ``defer_steps``: no custom launch and no metadata
     # writes per step while the cache fills.
@@ -172,6 +173,10 @@ class DeferredScores:
         self._meta_pending = self._pending = False  # the queue owns them now
         if due:
             self._fold_queue()
+        if due or self._event_lazy:
+            # A batch event's metadata held its queue and K buffer; each event
+            # left lazy chained onto the last (memory grew every event).
+            self._event_lazy = False
             out = self._with_metadata(out)
         return out
 

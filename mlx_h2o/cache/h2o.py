@@ -7,7 +7,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from .. import policy
-from ..config import H2OConfig, config_from_dict, config_to_dict
+from ..config import H2OConfig, check_window_size, config_from_dict, config_to_dict
 from ..kernels import fold_step_supported, scaled_dot_product_attention_with_scores
 from .deferred import DeferredScores, ScoreQueue
 from .mixed_storage import MixedKV
@@ -21,6 +21,13 @@ NO_SCORES = (
     "previous call reported its scores. The model's attention does not go "
     "through mlx_lm.models.base.scaled_dot_product_attention, or routing is "
     "off: wrap the forward pass in `with mlx_h2o.patch():`{model}."
+)
+INTERRUPTED = (
+    "The previous forward pass stopped between this layer's cache update and "
+    "its attention (an exception or KeyboardInterrupt inside the model){model}: "
+    "its {n} token(s) are in some layers and not in others. Call "
+    "mlx_h2o.recover_prompt_cache(cache) to drop them from every layer, then "
+    "feed them again."
 )
 
 
@@ -66,10 +73,8 @@ class H2OKVCache(Slots, DeferredScores, DecodeSteps):
     def __init__(self, config: H2OConfig, window_size: Optional[int] = None):
         if not isinstance(config, H2OConfig):
             raise TypeError(f"config must be an H2OConfig, got {type(config).__name__}")
-        if window_size is not None and window_size < 1:
-            raise ValueError(f"window_size must be >= 1, got {window_size}")
         self.config = config
-        self.window_size = window_size
+        self.window_size = check_window_size(window_size)
         self._queue = ScoreQueue(self.defer_steps)
         self._lazy = False  # this decode step's scores go to the queue
         self._queue_kernel = False  # the queue is folded by kernels/queued.py
@@ -98,8 +103,9 @@ class H2OKVCache(Slots, DeferredScores, DecodeSteps):
     # --- mlx-lm cache contract -------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         if self._pending:
-            name = f" (model: {self.model_name})" if self.model_name else ""
-            raise RuntimeError(NO_SCORES.format(model=name))
+            raise RuntimeError(self._pending_error())
+        if keys.ndim != 4 or keys.shape[:3] != values.shape[:3] or not keys.shape[2]:
+            raise ValueError(_bad_update(keys, values))
         if self._victim is not None and self._into_victim(keys):
             return self._write_decode_victim(keys, values)
         if keys.shape[2] == 1 and self._n < self.kv.capacity and (
@@ -131,8 +137,22 @@ class H2OKVCache(Slots, DeferredScores, DecodeSteps):
             self._meta_pending = defer
         self._victim = None
         self.offset += L
-        self._pending = True
+        self._pending = L  # tokens whose attention has not run yet
         return self._fetch()
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens of the last update whose attention has not run (an
+        interrupted forward pass: mlx_h2o.recover_prompt_cache)."""
+        return int(self._pending)
+
+    def _pending_error(self) -> str:
+        from ..integration.routing import is_enabled  # the cache layer never routes
+
+        name = f" (model: {self.model_name})" if self.model_name else ""
+        if is_enabled():
+            return INTERRUPTED.format(model=name, n=int(self._pending))
+        return NO_SCORES.format(model=name)
 
     def _fetch(self):
         """What this step attends. After a batch eviction, a deferred decode
@@ -243,32 +263,48 @@ class H2OKVCache(Slots, DeferredScores, DecodeSteps):
         return self.kv.nbytes + sum(a.nbytes for a in meta)
 
     def is_trimmable(self) -> bool:
+        # trim(n) forgets exactly the n newest tokens at any point (below).
         return True
 
     def trim(self, n: int) -> int:
-        """Drop the newest n tokens; after eviction only the recent window can go."""
-        if self._queue.items:
-            self._fold_queue()  # their queries attended the tokens that stay
-        self._victim = None
-        limit = self.offset
+        """Forget the newest ``n`` tokens, as if they had never been seen.
+
+        Exact at any point: ``offset`` drops by ``n`` and every kept token sits
+        below the new offset (those of the n newest that were evicted already
+        are simply gone). Rows (sequences, KV heads) that evicted different
+        tokens may hold different numbers of them; every row then keeps its
+        best ``k`` slots, ``k`` the fewest any row has left: an eviction."""
+        n = max(0, min(int(n), self.offset))
+        if n == 0:
+            return 0
+        self.settle()
+        cut = self.offset - n
         if self.evicted:
-            # Only the recent window is surely present (on a window layer, only
-            # the part of it the layer can still see).
-            limit = min(self.config.recent_budget, self.window_size or limit)
-        n = max(0, min(n, limit, self._n))
-        if n and self.evicted:
-            # Trimmed tokens sit anywhere in slot order: regather the rest.
+            # Slots are out of token order: regather the rows' best held slots.
             pos = self.positions[..., : self._n]
-            slots = mx.argsort(mx.where(pos < self.offset - n, pos, 2**31 - 1))
-            self._gather(slots[..., : self._n - n])
-        elif n:
+            gone = pos >= cut
+            k = self._n - int(gone.sum(axis=-1).max())
+            pri = policy.sinks_first(self._priority(cut)[0], pos, self.config.sink_size)
+            self._gather(policy.select_keep(pri, pos, k, drop=gone))
+        else:
             self._n -= n  # slots are in token order until the first eviction
             # Freed slots get fresh scores: queued tokens refill them unzeroed.
             self.score[..., self._n : self._n + n] = 0.0
             self.count[..., self._n : self._n + n] = 0.0
-        self.offset -= n
-        self._pending = False
+        self.offset = cut
+        self.evicted = cut - self._n
         return n
+
+    def settle(self) -> None:
+        """Bring the slot metadata up to date before it is read or rewritten:
+        queued score folds, a decode token whose attention has not run yet
+        (an interrupted forward pass), the group's pending fold."""
+        self._leave_group()
+        if self._queue.items:
+            self._fold_queue()
+        if self._meta_pending:
+            self._write_pending_meta()
+        self._victim, self._lazy, self._pending = None, False, False
 
     def make_mask(self, N: int, window_size=None, return_array: bool = False):
         # Windows are applied from positions in h2o_attention; this describes
@@ -281,9 +317,12 @@ class H2OKVCache(Slots, DeferredScores, DecodeSteps):
 
     @property
     def state(self):
+        """Storage arrays, then (positions, score, count), of the slots in use;
+        between two batch evictions also the evicted slots that decode steps
+        still attend (their number is the slots beyond ``offset - evicted``)."""
         if self.positions is None:
             return []
-        n = self._n
+        n = self.kv.capacity if self._lingering else self._n
         meta = (self.positions[..., :n], self.score[..., :n], self.count[..., :n])
         return (*self.kv.state(n), *meta)
 
@@ -297,9 +336,20 @@ class H2OKVCache(Slots, DeferredScores, DecodeSteps):
             self.positions = self.score = self.count = None
             self._n = 0
             return
-        *kv, self.positions, self.score, self.count = v
+        # Own array objects: slot writes update arrays in place (__setitem__),
+        # and a state read from another cache may be that cache's buffers.
+        *kv, self.positions, self.score, self.count = (mx.array(a) for a in v)
         self.kv.set_state(kv)
-        self._n = self.positions.shape[2]
+        self._restore_size()
+
+    def _restore_size(self):
+        """Slots in use after a restore: ``offset - evicted`` of the saved
+        ones; those past it are lingering evicted slots (state, above)."""
+        if self._positions is None:
+            return
+        slots, live = self._positions.shape[2], self.offset - self.evicted
+        self._n = live if 0 < live < slots else slots
+        self._lingering = self._n < slots
 
     @property
     def meta_state(self):
@@ -313,6 +363,7 @@ class H2OKVCache(Slots, DeferredScores, DecodeSteps):
         self.offset, self.evicted = int(offset), int(evicted)
         self.window_size = int(window) if window else None
         self.config = config_from_dict(json.loads(config))
+        self._restore_size()  # whichever of state / meta_state comes second
 
     @classmethod
     def from_state(cls, state, meta_state) -> "H2OKVCache":
@@ -330,6 +381,15 @@ class H2OKVCache(Slots, DeferredScores, DecodeSteps):
         context grew by ~5 GB per 128 tokens and ran out of memory,
         docs/GPU.md, session 11)."""
         return mx.depends(out, [self._positions, self._score, self._count])
+
+
+def _bad_update(keys, values) -> str:
+    """What is wrong with an update's keys / values (mlx-lm's layout)."""
+    return (
+        "update_and_fetch takes keys and values of shape (B, n_kv_heads, L, head_dim) "
+        f"with the same B, n_kv_heads and L >= 1; got keys {tuple(keys.shape)}, "
+        f"values {tuple(values.shape)}"
+    )
 
 
 def _last_rows(mask, W: int):

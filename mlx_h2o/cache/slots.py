@@ -125,6 +125,7 @@ class Slots:
         self._n = keep
         self.evicted += n - keep
         self._lingering = self._may_defer() and n == self.kv.capacity
+        self._event_lazy = True
 
     def _batch_event(self, keep):
         items, kv = self._queue.take(), self.kv

@@ -101,6 +101,13 @@ public enum H2OPolicy {
         return protected ? .infinity : score
     }
 
+    /// `priority` with protected slots other than sinks just below the sinks,
+    /// for a selection that may keep fewer slots than the protected zones hold.
+    public static func sinksFirst(priority: Float, position: Int32, sinkSize: Int) -> Float {
+        guard priority == .infinity else { return priority }
+        return Int(position) < sinkSize ? .infinity : .greatestFiniteMagnitude
+    }
+
     /// A unique key ordering slots by (priority, position): an order-preserving
     /// map of the float's bits in the high word, the position in the low word.
     @inline(__always)

@@ -105,12 +105,20 @@ public struct H2OSlots: Sendable {
             }
             return k
         case .regather(let k, let cut):
-            // Positions below the cut first, in position order (ties by slot).
-            let key = { (p: Int32) in p < Int32(cut) ? p : Int32.max }
-            gather(positions.map { row in
-                Array(row.indices.sorted { (key(row[$0]), $0) < (key(row[$1]), $1) }
-                    .prefix(ledger.size))
+            // Each row's held positions below the cut, the best of them kept.
+            let held = positions.map { row in row.indices.filter { Int(row[$0]) < cut } }
+            let size = held.map(\.count).min() ?? 0
+            let pri = priorities(offset: cut)
+            gather(positions.indices.map { r in
+                let rank = held[r].map {
+                    H2OPolicy.sinksFirst(
+                        priority: pri[r][$0], position: positions[r][$0], sinkSize: config.sinkSize)
+                }
+                let keep = H2OPolicy.selectKeep(
+                    priorities: rank, positions: held[r].map { positions[r][$0] }, k: size)
+                return keep.map { held[r][$0] }
             })
+            ledger.regathered(size: size)
             return k
         }
     }

@@ -93,26 +93,28 @@ public struct SlotLedger: Equatable, Sendable {
     public enum Trim: Equatable, Sendable {
         /// Nothing evicted yet: slots are in token order, drop the last `count`.
         case truncate(count: Int)
-        /// After eviction the trimmed tokens sit anywhere: keep the slots with a
-        /// position below `cut`, in position order (`size` of them remain).
+        /// After eviction the trimmed tokens sit anywhere: every row drops its
+        /// positions from `cut` on and keeps its best slots, as many as the
+        /// fewest any row has left (then call ``regathered(size:)``).
         case regather(count: Int, cut: Int)
     }
 
-    /// Drops the newest `n` tokens; after eviction only the recent window can go.
+    /// Forgets the newest `n` tokens (those still held), at any point.
     public mutating func trim(_ n: Int) -> Trim {
-        let limit = evicted == 0 ? offset : config.recentBudget
-        let count = max(0, min(n, limit, size))
-        let plan: Trim
-        if count > 0 && evicted > 0 {
-            plan = .regather(count: count, cut: offset - count)
-            capacity = size - count
-        } else {
-            plan = .truncate(count: count)
-        }
-        size -= count
-        offset -= count
+        let count = max(0, min(n, offset))
         awaitingScores = false
-        return plan
+        guard count > 0 else { return .truncate(count: 0) }
+        offset -= count
+        if evicted > 0 { return .regather(count: count, cut: offset) }
+        size -= count
+        return .truncate(count: count)
+    }
+
+    /// Records the slots a ``Trim/regather(count:cut:)`` kept in every row.
+    public mutating func regathered(size: Int) {
+        self.size = size
+        capacity = size
+        evicted = offset - size
     }
 
     /// Restores the counters of a saved cache holding `size` slots.

@@ -11,18 +11,26 @@ extension H2OKVCache {
 
     public var isTrimmable: Bool { true }
 
-    /// Drops the newest `n` tokens; after eviction only the recent window can go.
+    /// Forgets the newest `n` tokens (those still held), at any point: rows
+    /// that evicted different tokens keep their best slots, as many as the
+    /// fewest any row has left.
     @discardableResult
     public func trim(_ n: Int) -> Int {
+        let before = ledger.size
         switch ledger.trim(n) {
         case .truncate(let k):
             return k  // slots are in token order until the first eviction
         case .regather(let k, let cut):
-            // Trimmed tokens sit anywhere in slot order: regather the rest.
-            let before = ledger.size + k
             let pos = positions![.ellipsis, ..<before]
-            let order = argSort(which(pos .< cut, pos, MLXArray(Int32.max)), axis: -1)
-            gather(order[.ellipsis, ..<ledger.size], n: before)
+            let gone = pos .>= cut
+            let most = gone.asType(.int32).sum(axis: -1).reshaped([-1]).max(axis: 0)
+            let size = before - Int(most.item(Int32.self))
+            let pri = H2OPolicy.sinksFirst(
+                priorities: priorities(offset: cut, n: before), positions: pos,
+                sinkSize: config.sinkSize)
+            gather(H2OPolicy.selectKeep(priorities: pri, positions: pos, k: size, drop: gone),
+                n: before)
+            ledger.regathered(size: size)
             return k
         }
     }

@@ -115,12 +115,27 @@ extension H2OPolicy {
         argMin(orderKeys(priorities: priorities, positions: positions), axis: -1)
     }
 
-    /// (B, n_kv_heads, k) slots of the k highest keys, in position order.
-    public static func selectKeep(priorities: MLXArray, positions: MLXArray, k: Int) -> MLXArray {
-        let keys = orderKeys(priorities: priorities, positions: positions)
+    /// (B, n_kv_heads, k) slots of the k highest keys, in position order;
+    /// slots where `drop` is true rank below every other.
+    public static func selectKeep(
+        priorities: MLXArray, positions: MLXArray, k: Int, drop: MLXArray? = nil
+    ) -> MLXArray {
+        var keys = orderKeys(priorities: priorities, positions: positions)
+        if let drop { keys = which(drop, MLXArray(Int64.min), keys) }
         let n = keys.dim(-1)
         let top = argSort(keys, axis: -1)[.ellipsis, (n - k)...]
         let order = argSort(takeAlong(positions, top, axis: -1), axis: -1)
         return takeAlong(top, order, axis: -1)
+    }
+
+    /// `priorities` with protected slots other than sinks just below the sinks
+    /// (``sinksFirst(priority:position:sinkSize:)`` for each slot).
+    public static func sinksFirst(priorities: MLXArray, positions: MLXArray, sinkSize: Int)
+        -> MLXArray
+    {
+        let top = which(
+            positions .< Int32(sinkSize), MLXArray(Float.infinity),
+            MLXArray(Float.greatestFiniteMagnitude))
+        return which(priorities .== Float.infinity, top, priorities)
     }
 }

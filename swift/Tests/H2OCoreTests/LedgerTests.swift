@@ -30,7 +30,7 @@ struct LedgerTests {
         #expect(H2OScoresMissing(modelName: "llama").description.contains("(model: llama)"))
     }
 
-    @Test("trim: anything before eviction, only the recent window after")
+    @Test("trim: the newest n tokens, before and after eviction")
     func trim() throws {
         var l = try SlotLedger(config: H2OConfig(maxSize: 6, sinkSize: 1, recentBudget: 2))
         _ = try l.update(length: 5)
@@ -39,9 +39,11 @@ struct LedgerTests {
         #expect((l.offset, l.size) == (2, 2))
         _ = try l.update(length: 6)
         _ = l.scoresFolded()  // 8 slots -> 6, evicted 2
-        #expect(l.trim(5) == .regather(count: 2, cut: 6))
-        #expect((l.offset, l.size, l.capacity, l.evicted) == (6, 4, 4, 2))
+        #expect(l.trim(5) == .regather(count: 5, cut: 3))
+        l.regathered(size: 2)
+        #expect((l.offset, l.size, l.capacity, l.evicted) == (3, 2, 2, 1))
         #expect(l.trim(0) == .truncate(count: 0))
+        #expect(l.trim(9) == .regather(count: 3, cut: 0))
     }
 
     @Test("mask kinds: none, causal, window")
