@@ -1,0 +1,144 @@
+"""Per-row slot decisions of the batched H2O cache (pure functions on arrays).
+
+Rows of a batch share one slot axis; a slot that holds no token of its row
+(left or right padding, a token this row evicted, room another row needed)
+has position ``EMPTY``. Empty slots are masked, never scored, never kept and
+never counted. Every decision is ``mlx_h2o.policy``'s, made per (row, KV head)
+at the row's own number of tokens seen.
+
+Shapes: positions, score, count (B, n_kv_heads, N); keys, values
+(B, n_kv_heads, N, D); ``seen`` (B, 1, 1) int32 tokens seen per row.
+"""
+
+from typing import Optional
+
+import mlx.core as mx
+
+from .. import policy
+from ..config import H2OConfig
+
+EMPTY = -1  # position of a slot that holds no token of its row
+_LOWEST = -(2**63)
+_HIGHEST = 2**63 - 1
+
+
+def slot_priority(config: H2OConfig, positions, score, count, seen, window_size=None):
+    """Eviction priority (policy.priority) of every slot for ``seen`` tokens."""
+    keep = policy.protected(positions, seen, config.sink_size, config.recent_budget,
+                            config.pinned)
+    ranked = policy.eviction_score(config.score, score, count)
+    return policy.priority(ranked, keep, positions, seen, window_size)
+
+
+def _keys(pri, positions, empty_key: int):
+    """policy.order_keys with empty slots at ``empty_key``."""
+    keys = policy.order_keys(pri, positions)
+    return mx.where(positions < 0, mx.array(empty_key, mx.int64), keys)
+
+
+def victims(config: H2OConfig, positions, score, count, seen, window_size=None):
+    """(B, Hk) slot of each row's next victim among its held tokens, ranked
+    for ``seen`` tokens (H2OKVCache: its ``offset + 1`` before a decode token)."""
+    pri = slot_priority(config, positions, score, count, seen, window_size)
+    return mx.argmin(_keys(pri, positions, _HIGHEST), axis=-1)
+
+
+def first_empty(positions):
+    """(B, Hk) lowest empty slot of each row (0 where a row has none)."""
+    return mx.argmax(positions < 0, axis=-1)
+
+
+def keep_mask(pri, positions, k, drop: Optional[mx.array] = None):
+    """(B, Hk, N) True on each row's ``k`` (B, 1, 1) highest (priority,
+    position) held slots; ``drop``: slots that rank below every held one."""
+    keys = _keys(pri, positions, _LOWEST)
+    if drop is not None:
+        keys = mx.where(drop, mx.array(_LOWEST, mx.int64), keys)
+    rank = mx.argsort(mx.argsort(keys, axis=-1), axis=-1)  # 0 = lowest
+    return rank >= positions.shape[-1] - k
+
+
+def forget(meta, keep):
+    """(positions, score, count) with the slots outside ``keep`` emptied."""
+    positions, score, count = meta
+    return (mx.where(keep, positions, EMPTY), mx.where(keep, score, 0.0),
+            mx.where(keep, count, 0.0))
+
+
+def put_token(arrays, slot, keys, values, position):
+    """Write one token per (row, KV head) into ``slot`` (B, Hk): its K/V,
+    ``position`` (B, 1, 1) and fresh scores. ``arrays``: (keys, values,
+    positions, score, count) buffers; returns the new five."""
+    K, V, pos, score, count = arrays
+    idx = slot.astype(mx.int32)[..., None]  # (B, Hk, 1)
+    zero = mx.zeros(idx.shape, mx.float32)
+    return (mx.put_along_axis(K, idx[..., None], keys, axis=2),
+            mx.put_along_axis(V, idx[..., None], values, axis=2),
+            mx.put_along_axis(pos, idx, mx.broadcast_to(position, idx.shape), axis=2),
+            mx.put_along_axis(score, idx, zero, axis=2),
+            mx.put_along_axis(count, idx, zero, axis=2))
+
+
+def packed_order(positions, k: int):
+    """(B, Hk, k) slots that hold each row's tokens in position order, then
+    empty ones: a gather to ``k`` slots that keeps every held token when no
+    row holds more than ``k``."""
+    big = mx.array(2**30, positions.dtype)
+    order = mx.argsort(mx.where(positions < 0, big, positions), axis=-1)
+    return order[..., :k]
+
+
+def take(arrays, slots):
+    """Gather ``slots`` (B, Hk, k) of (keys, values, positions, score, count)."""
+    K, V, *meta = arrays
+    idx = slots[..., None]
+    return (mx.take_along_axis(K, idx, axis=2), mx.take_along_axis(V, idx, axis=2),
+            *(mx.take_along_axis(a, slots, axis=2) for a in meta))
+
+
+def position_mask(kpos, qpos, window_size: Optional[int] = None):
+    """(B, Hk, L, N) bool: query positions ``qpos`` (B, L; EMPTY for padding,
+    which sees nothing) against slot positions ``kpos`` (B, Hk, N)."""
+    k = kpos[:, :, None, :]
+    q = qpos[:, None, :, None]
+    mask = (k >= 0) & (k <= q)
+    if window_size is not None:
+        mask = mask & (k > q - window_size)
+    return mask
+
+
+def fold_rows(config: H2OConfig, score, count, logits, lse, positions, select,
+              pooled: Optional[mx.array] = None):
+    """Fold a call's attention into the scores, row by row.
+
+    ``select`` (B, L) bool: the queries each row folds (its own tokens; a
+    chunk that overflows the budget: the last ``prefill_window`` of them);
+    ``pooled`` (B,) bool: rows whose chunk overflowed, max-pooled over
+    ``prefill_pool`` neighbours (policy.fold_scores, as H2OKVCache folds
+    them). Unselected queries see nothing; empty slots keep zero scores."""
+    sel = select[:, None, :]
+    logits = mx.where(sel[..., None], logits, -mx.inf)
+    lse = mx.where(sel & (lse > -mx.inf), lse, 0.0)
+    args = (config.score, score, count, logits, lse, config.ema_alpha)
+    s, c = policy.fold_scores(*args)
+    if pooled is not None:
+        sp, cp = policy.fold_scores(*args, 0, positions, config.prefill_pool)
+        rows = pooled[:, None, None]
+        s, c = mx.where(rows, sp, s), mx.where(rows, cp, c)
+    held = positions >= 0
+    return mx.where(held, s, 0.0), mx.where(held, c, 0.0)
+
+
+def stacked(states, sizes):
+    """(keys, values, positions, score, count) of single-sequence states
+    (one per row; () for an empty cache) with ``sizes`` slots in use: each
+    row's slots first, then empty ones up to the largest."""
+    K, V = next(s[:2] for s in states if s)
+    B, N, Hk = len(states), max(sizes), K.shape[1]
+    out = [mx.zeros((B, Hk, N, K.shape[3]), K.dtype),
+           mx.zeros((B, Hk, N, V.shape[3]), V.dtype), mx.full((B, Hk, N), EMPTY, mx.int32), mx.zeros((B, Hk, N), mx.float32),
+           mx.zeros((B, Hk, N), mx.float32)]
+    for i, (s, n) in enumerate(zip(states, sizes)):
+        for a, x in zip(out, s):
+            a[i : i + 1, :, :n] = x[:, :, :n]
+    return out
