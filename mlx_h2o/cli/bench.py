@@ -7,52 +7,64 @@ Prints a config header, one key=value line per trial, a summary table and a
 final JSON line (for scripts).
 """
 
-import argparse
 import json
 
-import mlx.core as mx
-
-from ..eval.bench import RANDOM_CONFIGS, one_trial, random_model, summarize
-from ..eval.common import fmt_table, load_any
-from ..eval.results import machine_info
-from ..eval.strategies import parse_strategy
+from ..eval.bench import RANDOM_CONFIGS
+from .common import command_parser, load_model_or_fail, strategies_or_fail
 
 COLUMNS = ("strategy", "max_kv", "prefill_tps", "decode_tps", "decode_ratio",
            "prefill_ratio", "decode_spread_pct", "peak_gb", "peak_delta_gb", "kv_mb")
 
 
-def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def setup_arg_parser():
+    p = command_parser("bench", __doc__)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", default=None, help="packaged model or mlx-lm path")
+    src.add_argument("--model", default=None,
+                     help="packaged model or mlx-lm path (default: smollm2-135m)")
     src.add_argument("--random-config", choices=sorted(RANDOM_CONFIGS),
                      help="random weights with a real model's shapes (speed only)")
     p.add_argument("--bits", type=int, default=0, help="quantize a random model (4, 8)")
     p.add_argument("--dtype", default="bfloat16", help="random-model dtype")
-    p.add_argument("--prompt-tokens", "-p", type=int, default=512)
-    p.add_argument("--generation-tokens", "-g", type=int, default=128)
-    p.add_argument("--batch-size", "-b", type=int, default=1)
-    p.add_argument("--max-kv", type=int, nargs="+", default=[256])
-    p.add_argument("--strategies", nargs="+", default=["baseline", "rotating", "h2o-heavy"])
-    p.add_argument("--num-trials", "-n", type=int, default=3)
-    p.add_argument("--prefill-step", type=int, default=2048)
-    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--prompt-tokens", "-p", type=int, default=512,
+                   help="random prompt tokens per sequence")
+    p.add_argument("--generation-tokens", "-g", type=int, default=128,
+                   help="decoded tokens per trial")
+    p.add_argument("--batch-size", "-b", type=int, default=1, help="sequences per batch")
+    p.add_argument("--max-kv", type=int, nargs="+", default=[256],
+                   help="KV budget per layer in tokens of the bounded strategies")
+    p.add_argument("--strategies", nargs="+", default=["baseline", "rotating", "h2o-heavy"],
+                   help="names from mlx_h2o.eval.strategies (name:key=value,...)")
+    p.add_argument("--num-trials", "-n", type=int, default=3,
+                   help="trials per strategy, interleaved")
+    p.add_argument("--prefill-step", type=int, default=2048, help="prompt chunk size")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the untimed first trial of each strategy")
     return p
 
 
-def _load(args):
+def _load(parser, args):
+    import mlx.core as mx
+
+    from ..eval.bench import random_model
+
     if args.random_config:
         dtype = getattr(mx, args.dtype)
         return random_model(args.random_config, args.bits, dtype=dtype), args.random_config
     name = args.model or "smollm2-135m"
-    return load_any(name)[0], name
+    return load_model_or_fail(parser, name)[0], name
 
 
 def main(argv=None) -> int:
-    args = setup_arg_parser().parse_args(argv)
-    strategies = [parse_strategy(s) for s in args.strategies]
-    model, name = _load(args)
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    strategies = strategies_or_fail(parser, args.strategies)
+    import mlx.core as mx
+
+    from ..eval.bench import one_trial, summarize
+    from ..eval.common import fmt_table
+    from ..eval.results import machine_info
+
+    model, name = _load(parser, args)
     strategies = [s.calibrated(model) for s in strategies]  # layer budgets: no tokenizer
     units = [(st, kv) for st in strategies for kv in (args.max_kv if st.bounded else [0])]
     config = {"model": name, "bits": args.bits, "prompt_tokens": args.prompt_tokens,

@@ -15,15 +15,13 @@ from typing import List, Optional
 from mlx_lm.cache_prompt import setup_arg_parser as mlx_lm_arg_parser
 
 from ..models import DEFAULT_MODEL
+from .common import check_model_arg, fail, load_model_or_fail
 from .h2o_args import (
     add_h2o_args,
     check_h2o_args,
     check_mlx_lm_cache_flags,
-    check_model_arg,
-    fail,
     flagify,
     h2o_value,
-    load_model_or_fail,
 )
 
 

@@ -6,21 +6,18 @@ Then `mlx-h2o generate --h2o-layer-budget FILE`, `make_h2o_cache(...,
 layer_budget=FILE)` or the eval strategy `h2o-heavy:layer_budget=FILE`.
 """
 
-import argparse
 import shlex
 import time
 from pathlib import Path
 
-from ..eval.calibrate import CALIBRATION, DEFAULT_STATISTIC, WEIGHTS, calibration_spec
-from ..eval.calibrate import make_profile
+from ..eval.calibrate import CALIBRATION, DEFAULT_STATISTIC, WEIGHTS
 from ..eval.common import load_any
 from ..eval.results import slug
-from ..profiles import save_profile
+from .common import command_parser, fail
 
 
-def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def setup_arg_parser():
+    p = command_parser("calibrate", __doc__)
     p.add_argument("--model", default="smollm2-135m",
                    help="packaged model (smollm2-135m, gemma3-270m) or an mlx-lm path")
     p.add_argument("--corpus", default=CALIBRATION["corpus"],
@@ -28,7 +25,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    f"({CALIBRATION['num_samples']} windows of {CALIBRATION['seq_len']} "
                    f"tokens, seed {CALIBRATION['seed']})")
     p.add_argument("--statistic", choices=sorted(WEIGHTS), default=DEFAULT_STATISTIC,
-                   help=f"per-layer weight (default: {DEFAULT_STATISTIC})")
+                   help="per-layer weight")
     p.add_argument("--out", default=None,
                    help="profile file to write (default: <model>.layer-profile.json)")
     return p
@@ -36,15 +33,32 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = [] if argv is None else list(argv)
-    args = setup_arg_parser().parse_args(argv)
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
     out = Path(args.out or f"{slug(Path(args.model).name)}.layer-profile.json")
     if not out.parent.is_dir():
-        raise ValueError(f"--out {out}: folder {out.parent} does not exist; create it first")
+        fail(parser, f"--out {out}: folder {out.parent} does not exist; create it first")
+    from ..eval.calibrate import calibration_spec, make_profile
+    from ..eval.corpora import CorpusNotFoundError, install_command
+    from ..profiles import save_profile
+
+    try:
+        install_command(args.corpus)  # an unknown corpus name: before the model loads
+    except ValueError as e:
+        fail(parser, f"--corpus {args.corpus}: {e}")
     tic = time.perf_counter()
-    model, tokenizer = load_any(args.model)
+    try:
+        model, tokenizer = load_any(args.model)
+    except (OSError, ValueError) as e:
+        fail(parser, f"--model {args.model}: could not load it ({type(e).__name__}: "
+             f"{str(e).splitlines()[0] if str(e) else ''})")
     command = "mlx-h2o calibrate " + shlex.join(argv)
-    profile = make_profile(model, tokenizer, args.statistic, calibration_spec(args.corpus),
-                           model_label=args.model, command=command)
+    try:
+        profile = make_profile(model, tokenizer, args.statistic,
+                               calibration_spec(args.corpus), model_label=args.model,
+                               command=command)
+    except CorpusNotFoundError as e:
+        fail(parser, f"--corpus {args.corpus}: {e}")
     save_profile(profile, out)
     print(f"# {command}")
     print(f"weights ({profile.statistic}, {profile.attention_layers} attention layers): "

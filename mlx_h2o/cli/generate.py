@@ -15,16 +15,14 @@ import mlx.core as mx
 from mlx_lm.generate import setup_arg_parser as mlx_lm_arg_parser
 
 from ..models import DEFAULT_MODEL
+from .common import check_model_arg, fail, load_model_or_fail
 from .h2o_args import (  # noqa: F401  (h2o_config_from_args: tests and scripts)
     add_h2o_args,
     check_h2o_args,
     check_mlx_lm_cache_flags,
-    check_model_arg,
-    fail,
     given_h2o_flags,
     h2o_config_from_args,
     h2o_value,
-    load_model_or_fail,
     quant_config_from_args,
 )
 

@@ -1,15 +1,12 @@
-"""The `--h2o-*` flags shared by `generate` and `cache_prompt`, and user errors.
-
-A user error ends the command with one line, `<prog>: error: <flag>: <fix>`,
-and exit code 2 (argparse's convention), before any model is loaded.
-"""
+"""The `--h2o-*` flags shared by `generate` and `cache_prompt`, checked before
+any model loads; config errors in the flags' words (``flagify``)."""
 
 import argparse
 import re
-from pathlib import Path
-from typing import NoReturn, Optional, Tuple
+from typing import Optional, Tuple
 
 from ..config import PREFILL_COMPACT, SCORE_MODES, H2OConfig
+from .common import fail
 
 # H2OConfig / QuantConfig fields -> the flags that set them (error messages).
 FIELD_FLAGS = {
@@ -37,11 +34,6 @@ H2O_DEFAULTS = {
 }
 _LIB = {"score": "accumulated", "prefill_window": 32, "prefill_pool": 11,
         "prefill_compact": "chunk", "evict_batch": 1}
-
-
-def fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
-    """End the command as argparse does for a bad flag: one line, exit code 2."""
-    parser.exit(2, f"{parser.prog}: error: {message}\n")
 
 
 def flagify(message: str) -> str:
@@ -178,50 +170,3 @@ def check_h2o_args(parser, args) -> Tuple[Optional[H2OConfig], object]:
         except ValueError as e:
             fail(parser, f"--h2o-layer-budget {budget}: {e}")
     return config, quant
-
-
-def check_model_arg(parser, name: Optional[str], flag: str = "--model") -> None:
-    """A --model that is neither a packaged model, an existing folder nor a
-    Hugging Face repo id ends the command before anything loads."""
-    from ..models import PACKAGED_MODELS
-
-    if name is None or name in PACKAGED_MODELS:
-        return
-    path = Path(name).expanduser()
-    if path.is_dir() and not (path / "config.json").is_file():
-        fail(parser, f"{flag} {name}: this folder has no config.json (not an mlx-lm "
-             "model folder)")
-    if path.exists() or _is_repo_id(name):
-        return
-    known = ", ".join(sorted(PACKAGED_MODELS))
-    fail(parser, f"{flag} {name}: no such folder; use a packaged model ({known}), an "
-         "mlx-lm model folder or a Hugging Face repo id (owner/name)")
-
-
-def _is_repo_id(name: str) -> bool:
-    if name.count("/") != 1 or name.startswith((".", "/", "~")):
-        return False
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(name)
-        return True
-    except HFValidationError:
-        return False
-
-
-def load_model_or_fail(parser, name: Optional[str], flag: str = "--model", **kwargs):
-    """``mlx_h2o.models.load_model``; a model that cannot be found or fetched ends
-    the command with one line."""
-    from ..models import load_model
-
-    check_model_arg(parser, name, flag)
-    try:
-        return load_model(name, **kwargs)
-    except (OSError, ValueError) as e:
-        if type(e).__module__.startswith("huggingface_hub"):
-            fail(parser, f"{flag} {name}: not a local folder or packaged model, and the "
-                 "Hugging Face Hub has no such repo or cannot be reached "
-                 f"({type(e).__name__})")
-        first = next((l for l in str(e).splitlines() if l.strip()), "")
-        fail(parser, f"{flag} {name}: could not load it ({type(e).__name__}: {first})")

@@ -4,32 +4,43 @@ Example (the paper protocol: 10 samples x 512 tokens, 32-token prefill):
     mlx-h2o ppl --model smollm2-135m --corpus austen --max-kv 256
 Sweeps: ``--max-kv 128 256 512 1024 --seq-len 2048`` or
 ``--max-kv 256 --seq-len 512 1024 2048 4096``.
+Writes <results-dir>/ppl/<model>-<corpus>-<mode>-<hash>/: one JSON per finished
+(strategy, max_kv, seq_len) (a rerun skips them), summary.json and PNG plots.
 """
 
-import argparse
 import json
 import time
 
-from ..eval.common import fmt_table, load_any
-from ..eval.plots import plot_ppl
-from ..eval.ppl import sweep
+from ..eval.common import fmt_table
 from ..eval.results import DEFAULT_ROOT, ResultsDir, machine_info
-from ..eval.strategies import DEFAULT_STRATEGIES, parse_strategy
+from ..eval.strategies import DEFAULT_STRATEGIES
+from .common import (
+    check_model_arg,
+    command_parser,
+    ensure_corpus_or_fail,
+    has_matplotlib,
+    load_model_or_fail,
+    save_plot,
+    strategies_or_fail,
+)
 
 COLUMNS = ("seq_len", "strategy", "max_kv", "ppl", "ppl_se", "delta_pct", "delta_se_pct",
            "seconds")
 
 
-def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def setup_arg_parser():
+    p = command_parser("ppl", __doc__)
     p.add_argument("--model", default="smollm2-135m",
                    help="packaged model (smollm2-135m, gemma3-270m) or an mlx-lm path")
     p.add_argument("--corpus", default="austen",
-                   help="austen, python-docs, sharegpt or hf:<dataset>")
-    p.add_argument("--num-samples", "-n", type=int, default=10)
-    p.add_argument("--seq-len", type=int, nargs="+", default=[512])
-    p.add_argument("--max-kv", type=int, nargs="+", default=[256])
+                   help="austen, python-docs, sharegpt or hf:<dataset> (installed first "
+                   "if missing and possible)")
+    p.add_argument("--num-samples", "-n", type=int, default=10,
+                   help="token windows drawn from the corpus")
+    p.add_argument("--seq-len", type=int, nargs="+", default=[512],
+                   help="tokens per window; several: a sweep")
+    p.add_argument("--max-kv", type=int, nargs="+", default=[256],
+                   help="KV budget per layer in tokens; several: a sweep")
     p.add_argument("--strategies", nargs="+", default=list(DEFAULT_STRATEGIES),
                    help="names from mlx_h2o.eval.strategies (name:key=value,...)")
     p.add_argument("--mode", choices=("decode", "chunked"), default="decode",
@@ -38,10 +49,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=64, help="chunk tokens (chunked mode)")
     p.add_argument("--batch-size", type=int, default=0,
                    help="samples per batch (0: all samples in one batch)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the window sampling")
     p.add_argument("--no-bos", action="store_true", help="do not start samples with BOS")
-    p.add_argument("--results-dir", default=DEFAULT_ROOT)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--results-dir", default=DEFAULT_ROOT, help="root of the results")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
 
@@ -66,14 +77,20 @@ def load_data(tokenizer, args) -> dict:
 
 
 def main(argv=None) -> int:
-    args = setup_arg_parser().parse_args(argv)
-    strategies = [parse_strategy(s) for s in args.strategies]
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    check_model_arg(parser, args.model)
+    strategies = strategies_or_fail(parser, args.strategies)
+    ensure_corpus_or_fail(parser, args.corpus)
+    plots = has_matplotlib(parser.prog)
     config = run_config(args)
     rdir = ResultsDir(args.results_dir, "ppl", config, ("model", "corpus", "mode"))
     print(f"# mlx-h2o ppl  results={rdir.path}")
     print("# " + " ".join(f"{k}={v}" for k, v in config.items()))
     print(f"# seq_len={args.seq_len} max_kv={args.max_kv} strategies={args.strategies}")
-    model, tokenizer = load_any(args.model)
+    model, tokenizer = load_model_or_fail(parser, args.model)
+    from ..eval.ppl import sweep
+
     strategies = [s.calibrated(model, tokenizer) for s in strategies]
     data = load_data(tokenizer, args)
     tic = time.perf_counter()
@@ -83,26 +100,30 @@ def main(argv=None) -> int:
                  **kw)
     print()
     print(fmt_table(rows, COLUMNS))
-    _plots(rows, args, rdir)
     summary = {"config": config, "machine": machine_info(),
                "seconds": time.perf_counter() - tic,
                "rows": [{k: r.get(k) for k in COLUMNS} for r in rows]}
-    (rdir.path / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    rdir.save("summary", summary)  # before the plots: they may fail
+    if plots:
+        _plots(rows, args, rdir)
     print(json.dumps({"results": str(rdir.path), "rows": summary["rows"]}))
     return 0
 
 
 def _plots(rows, args, rdir):
+    from ..eval.plots import plot_ppl, plot_ppl_bars
+
     name = f"{args.model} {args.corpus} {args.mode} n={args.num_samples}"
+    for L in args.seq_len:  # always one: PPL increase per strategy and budget
+        sel = [r for r in rows if r["seq_len"] == L]
+        save_plot(plot_ppl_bars, sel, rdir.path / f"ppl_L{L}.png", f"{name} seq_len={L}")
     if len(args.max_kv) > 1:
         for L in args.seq_len:
             sel = [r for r in rows if r["seq_len"] == L]
-            out = plot_ppl(sel, "max_kv", rdir.path / f"ppl_vs_max_kv_L{L}.png",
-                           f"{name} seq_len={L}")
-            print(f"# plot {out}")
+            save_plot(plot_ppl, sel, "max_kv", rdir.path / f"ppl_vs_max_kv_L{L}.png",
+                      f"{name} seq_len={L}")
     if len(args.seq_len) > 1:
         for kv in args.max_kv:
             sel = [r for r in rows if r["max_kv"] in (kv, None)]
-            out = plot_ppl(sel, "seq_len", rdir.path / f"ppl_vs_seq_len_kv{kv}.png",
-                           f"{name} max_kv={kv}")
-            print(f"# plot {out}")
+            save_plot(plot_ppl, sel, "seq_len", rdir.path / f"ppl_vs_seq_len_kv{kv}.png",
+                      f"{name} max_kv={kv}")

@@ -2,48 +2,76 @@
 
 Example:
     mlx-h2o profile --model smollm2-135m --corpus austen -n 4 --seq-len 1024
+Statistics per attention layer (mean over samples, heads and queries):
+  entropy, entropy_norm     attention entropy in nats; / log(visible keys), 1 = uniform
+  topk_share                share of the summed attention held by the top --topk keys
+  topk_share_norm           the same for the score normalised by the queries that saw it
+  score_cv                  std / mean of the normalised score over keys
+  sink_share                attention mass on the first --sink positions
+Writes <results-dir>/profile/<model>-<corpus>-<hash>/: profile.json and profile.png.
 """
 
-import argparse
 import json
 
-from ..eval.common import fmt_table, load_any
-from ..eval.plots import plot_profile
-from ..eval.profile import STATS, profile_model
+from ..eval.common import fmt_table
 from ..eval.results import DEFAULT_ROOT, ResultsDir, machine_info
+from .common import (
+    check_model_arg,
+    command_parser,
+    ensure_corpus_or_fail,
+    fail,
+    has_matplotlib,
+    load_model_or_fail,
+    save_plot,
+)
 
 
-def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--corpus", default="austen")
-    p.add_argument("--num-samples", "-n", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--topk", type=float, default=0.1, help="fraction of keys for topk_share")
-    p.add_argument("--sink", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--results-dir", default=DEFAULT_ROOT)
+def setup_arg_parser():
+    p = command_parser("profile", __doc__)
+    p.add_argument("--model", default="smollm2-135m",
+                   help="packaged model (smollm2-135m, gemma3-270m) or an mlx-lm path")
+    p.add_argument("--corpus", default="austen",
+                   help="austen, python-docs, sharegpt or hf:<dataset> (installed first "
+                   "if missing and possible)")
+    p.add_argument("--num-samples", "-n", type=int, default=4,
+                   help="token windows drawn from the corpus")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per window")
+    p.add_argument("--topk", type=float, default=0.1,
+                   help="fraction of keys for topk_share (0 < topk <= 1)")
+    p.add_argument("--sink", type=int, default=4, help="positions counted by sink_share")
+    p.add_argument("--seed", type=int, default=0, help="seed of the window sampling")
+    p.add_argument("--results-dir", default=DEFAULT_ROOT, help="root of the results")
     return p
 
 
 def main(argv=None) -> int:
-    args = setup_arg_parser().parse_args(argv)
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    if not 0 < args.topk <= 1:
+        fail(parser, f"--topk {args.topk:g}: use a fraction of the keys in (0, 1]")
+    check_model_arg(parser, args.model)
+    ensure_corpus_or_fail(parser, args.corpus)
+    plots = has_matplotlib(parser.prog)
     from ..eval.corpora import load_corpus, sample_token_windows
+    from ..eval.profile import STATS, profile_model
 
     config = {k: getattr(args, k) for k in
               ("model", "corpus", "num_samples", "seq_len", "topk", "sink", "seed")}
     rdir = ResultsDir(args.results_dir, "profile", config, ("model", "corpus"))
     print("# " + " ".join(f"{k}={v}" for k, v in config.items()))
-    model, tokenizer = load_any(args.model)
+    model, tokenizer = load_model_or_fail(parser, args.model)
     tokens = sample_token_windows(tokenizer, load_corpus(args.corpus), args.num_samples,
                                   args.seq_len, args.seed, bos=True)
     rows = profile_model(model, tokens, args.topk, args.sink)
     print(fmt_table(rows, ("layer", "kind") + STATS))
-    out = plot_profile(rows, STATS, rdir.path / "profile.png",
-                       f"{args.model} {args.corpus} L={args.seq_len} n={args.num_samples}")
-    print(f"# plot {out}")
     summary = {"config": config, "machine": machine_info(), "layers": rows}
-    rdir.save("profile", summary)
+    rdir.save("profile", summary)  # before the plot: it may fail
+    if plots:
+        from ..eval.plots import plot_profile
+
+        save_plot(plot_profile, rows, STATS, rdir.path / "profile.png",
+                  f"{args.model}: attention per layer ({args.corpus}, "
+                  f"{args.num_samples} x {args.seq_len} tokens)", topk=args.topk,
+                  sink=args.sink)
     print(json.dumps({"results": str(rdir.path), "layers": rows}))
     return 0

