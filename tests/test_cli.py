@@ -162,3 +162,18 @@ def test_cache_prompt_errors(capsys):
             cli_main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and len(err.splitlines()) == 1 and want in err, err
+
+
+def test_help_starts_once(monkeypatch, capsys):
+    """Help is printed without the OpenBLAS re-exec (which would start the program twice)."""
+    def reexec():
+        raise AssertionError("re-exec for --help")
+
+    monkeypatch.setattr("mlx_h2o.blas.reexec_with_openblas", reexec)
+    for argv in (["mlx-h2o"], ["mlx-h2o", "--help"], ["mlx-h2o", "nope"]):
+        monkeypatch.setattr("sys.argv", argv)
+        assert cli_main() in (0, 2)
+    monkeypatch.setattr("sys.argv", ["mlx-h2o", "prepare", "--help"])
+    with pytest.raises(SystemExit):
+        cli_main()
+    assert "usage: mlx-h2o prepare" in capsys.readouterr().out

@@ -7,6 +7,7 @@ from typing import List, Optional
 COMMANDS = {
     "generate": "Generate text with H2O eviction (every mlx_lm.generate flag).",
     "cache_prompt": "Prefill a prompt into an H2O cache file (mlx_lm.cache_prompt's flags).",
+    "serve": "mlx_lm.server's OpenAI-compatible API with H2O-bounded KV caches.",
     "prepare": "Prepare the packaged offline models into the user cache dir.",
     "ppl": "Perplexity with bounded KV caches (paper protocol and full-sequence).",
     "passkey": "Passkey retrieval across context lengths, depths and budgets.",
@@ -23,10 +24,7 @@ def _usage() -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    if argv is None:  # run as a program: safe to re-exec with OpenBLAS
-        from ..blas import reexec_with_openblas
-
-        reexec_with_openblas()
+    as_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
@@ -35,5 +33,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if name not in COMMANDS:
         print(f"mlx-h2o: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    if as_program and not {"-h", "--help"} & set(rest):
+        # Safe to re-exec with OpenBLAS; not for help, which would start twice.
+        from ..blas import reexec_with_openblas
+
+        reexec_with_openblas()
     module = importlib.import_module(f"mlx_h2o.cli.{name}")
     return module.main(rest) or 0
