@@ -1,0 +1,126 @@
+"""`mlx-h2o serve`: mlx-lm's OpenAI-compatible server with H2O-bounded KV caches.
+
+Takes every ``mlx_lm.server`` flag plus ``--h2o-*``. Each request's KV cache
+holds at most ``--h2o-max-size`` tokens per layer; requests are batched
+(continuous batching, BatchH2OKVCache) and finished ones feed the prompt
+cache (LRU) compressed. Without ``--model`` it serves the embedded default
+model. Responses carry ``usage.h2o``: tokens seen / kept / evicted, KV bytes.
+
+  mlx-h2o serve --h2o-max-size 512 --port 8080
+  mlx-h2o serve --model mlx-community/Qwen3-4B-4bit --h2o-max-size 1024
+"""
+
+import argparse
+import logging
+from typing import List, Optional
+from unittest import mock
+
+import mlx_lm.server as server
+
+from ..models import DEFAULT_MODEL, PACKAGED_MODELS
+from .common import check_model_arg, fail
+from .h2o_args import add_h2o_args, check_h2o_args, flagify, h2o_value
+
+
+class _Built(Exception):
+    """Carries mlx_lm.server's parser out of its main()."""
+
+
+def mlx_lm_server_parser() -> argparse.ArgumentParser:
+    """mlx_lm.server's own parser. Its main() builds it inline and parses at
+    once: the parser is taken at ``parse_args``, before anything else runs."""
+
+    def take(parser, *args, **kwargs):
+        raise _Built(parser)
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", take):
+        try:
+            server.main()
+        except _Built as built:
+            return built.args[0]
+    raise RuntimeError("mlx_lm.server.main() did not build an argument parser")
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    parser = mlx_lm_server_parser()
+    parser.prog = "mlx-h2o serve"
+    parser.usage = ("mlx-h2o serve [-h] [--model MODEL] [--host HOST] [--port PORT] "
+                    "[--h2o-* ...] [mlx_lm.server flags]")
+    parser.description = __doc__.splitlines()[0]
+    for action in parser._actions:
+        if action.dest == "model":
+            action.help = f"Model path, hub repo or packaged name (default: {DEFAULT_MODEL})"
+    add_h2o_args(parser)
+    return parser
+
+
+def check_args(parser, args):
+    """Every user error, before the model loads: the H2OConfig (None: --no-h2o)."""
+    if args.kv_bits is not None and not args.no_h2o:
+        fail(parser, "--kv-bits quantizes mlx-lm's cache and serves one request at a time; "
+             "`mlx-h2o serve` batches dense H2O caches: drop --kv-bits (--h2o-max-size "
+             "bounds the memory), or add --no-h2o for mlx-lm's")
+    config, quant = check_h2o_args(parser, args)
+    if quant is not None:
+        fail(parser, "--h2o-kv-bits: `mlx-h2o serve` batches dense H2O caches only (its "
+             "batch cache is not quantized); drop --h2o-kv-bits and --h2o-kv-*")
+    if config is not None and config.evict_batch > 1:
+        fail(parser, "--h2o-evict-batch: `mlx-h2o serve` batches caches that evict every "
+             "step; drop --h2o-evict-batch")
+    check_model_arg(parser, args.model)
+    if args.draft_model:
+        check_model_arg(parser, args.draft_model, "--draft-model")
+    return config
+
+
+def _resolve(parser, args) -> Optional[tuple]:
+    """``args.model`` as a path or repo mlx-lm loads (packaged models are
+    prepared); (name, path) of a packaged model, else None."""
+    from ..models import resolve_model
+
+    name = DEFAULT_MODEL if args.model is None else args.model
+    try:
+        args.model = resolve_model(name)
+        if args.draft_model:
+            args.draft_model = resolve_model(args.draft_model)
+    except (OSError, ValueError) as e:
+        fail(parser, f"--model {name}: {e}")
+    return (name, args.model) if name in PACKAGED_MODELS else None
+
+
+def _load_checked(parser, provider, config, layer_budget) -> None:
+    """Load the served model now (the server reuses it) and build its H2O
+    caches once: an unsupported model or layer profile ends the command."""
+    from ..integration.factory import make_h2o_cache
+
+    try:
+        model, _ = provider.load("default_model", None, "default_model")
+    except (OSError, ValueError) as e:
+        first = next((l for l in str(e).splitlines() if l.strip()), type(e).__name__)
+        fail(parser, f"--model {provider.cli_args.model}: could not load it ({first})")
+    try:
+        make_h2o_cache(model, config, layer_budget=layer_budget)
+    except (ValueError, TypeError) as e:
+        fail(parser, flagify(str(e)))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    config = check_args(parser, args)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), None),
+                        format="%(asctime)s - %(levelname)s - %(message)s")
+    packaged = _resolve(parser, args)
+    server.maybe_set_recommended_wired_limit()
+    if config is None:  # --no-h2o: mlx-lm's server as it is
+        server.run(args.host, args.port, server.ModelProvider(args))
+        return 0
+    from ..integration.serve import H2OModelProvider, h2o_server, run
+
+    layer_budget = h2o_value(args, "h2o_layer_budget")
+    with h2o_server(config, layer_budget) as tracker:
+        provider = H2OModelProvider(args, packaged)
+        _load_checked(parser, provider, config, layer_budget)
+        logging.info("H2O KV budget: %d tokens per layer (%s)", config.max_size, config)
+        run(args.host, args.port, provider, tracker)
+    return 0
