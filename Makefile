@@ -42,7 +42,7 @@ test: install
 swift:
 	cd swift && swift build && swift test
 
-# Evaluation (eval/README.md): paper-protocol perplexity and interleaved speed runs.
+# Evaluation (benchmarks/eval/README.md): paper-protocol perplexity and interleaved speed runs.
 PPL_ARGS ?= --model smollm2-135m --corpus austen -n 10 --seq-len 512 --max-kv 256
 BENCH_ARGS ?= --model smollm2-135m -p 512 -g 128 --max-kv 256 -n 3
 

@@ -1,12 +1,17 @@
-"""Decode tok/s on CPU: KVCache vs H2O without eviction vs H2O evicting every step.
+"""Decode tok/s on CPU: KVCache, Rotating and H2O (dense, 8-bit, mixed 8/4-bit).
 
-(``h2o_evict_ops``: the evicting step op by op, as before the compiled step;
-``h2o_q8_evict``: 8-bit K/V, ``_ops`` op by op; ``h2o_mixed_evict``: 8-bit heavy
-hitters, 4-bit recent window.)
+    python benchmarks/cpu_decode_bench.py [--context 512] [--budget 256] [--steps 32]
+        [--repeats 3] [--model smollm2-135m]
 
-SmolLM2-135M shapes (llama: 30 layers, 9/3 heads, head_dim 64), float32 random
-weights (speed does not depend on weight values) or --model for real weights.
-Strategies are interleaved and repeated; medians and ratios vs KVCache.
+Strategies: ``kvcache``, ``rotating`` (budget, keep 4), ``h2o_no_evict``
+(room for the whole context), ``h2o_evict`` (budget, heavy = budget / 2,
+evicting every step), ``h2o_q8_evict`` (8-bit K/V) and ``h2o_mixed_evict``
+(heavy hitters at 8 bits, the recent window at 4). SmolLM2-135M shapes
+(llama: 30 layers, 9/3 heads, head_dim 64), float32 random weights (speed does
+not depend on weight values) or --model for real weights. Each trial prefills
+``--context`` tokens, then times ``--steps`` synchronous decode steps.
+Strategies are interleaved and repeated; a line per trial, medians and ratios
+vs KVCache, a final JSON line. Preload OpenBLAS on Linux (README).
 """
 
 import argparse
@@ -36,12 +41,7 @@ def strategies(model, context, budget):
         "rotating": lambda: [RotatingKVCache(max_size=budget, keep=4) for _ in range(n)],
         "h2o_no_evict": lambda: make_h2o_cache(model, H2OConfig(max_size=context + 1024)),
         "h2o_evict": lambda: make_h2o_cache(model, H2OConfig(max_size=budget, heavy_budget=budget // 2)),
-        # the evicting step op by op instead of one compiled call (cache/ops_step.py)
-        "h2o_evict_ops": lambda: uncompiled(
-            make_h2o_cache(model, H2OConfig(max_size=budget, heavy_budget=budget // 2))),
-        # 8-bit K/V (QuantizedH2OKVCache), evicting every step; compiled and op by op
         "h2o_q8_evict": lambda: quantized(model, budget),
-        "h2o_q8_evict_ops": lambda: uncompiled(quantized(model, budget)),
         # heavy hitters at 8 bits, the recent window at 4 (MixedPrecisionH2OKVCache)
         "h2o_mixed_evict": lambda: quantized(model, budget, recent_bits=4),
     }
@@ -51,12 +51,6 @@ def quantized(model, budget, recent_bits=None):
     """8-bit H2O caches; ``recent_bits``: the recent window at that width (mixed)."""
     return make_h2o_cache(model, H2OConfig(max_size=budget, heavy_budget=budget // 2),
                           cache_type=quantized_cache_type(QuantConfig(8, 64, recent_bits)))
-
-
-def uncompiled(cache):
-    for c in cache:
-        c.compile_ops_step = False
-    return cache
 
 
 def decode_tps(model, make_cache, context, steps):

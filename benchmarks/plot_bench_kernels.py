@@ -1,14 +1,14 @@
 """Plot kernel microbenchmark runs: time per call / MLX SDPA's, before vs after.
 
-    python scripts/plot_bench_kernels.py BEFORE.log AFTER.log OUT.png [--title T]
+    python benchmarks/plot_bench_kernels.py BEFORE.log AFTER.log OUT.png [--title T]
         [--before-variant KNOBS] [--after-variant KNOBS]
 
-Reads the final JSON line of every ``bench_kernels.py`` run in each log
-(``gpu_run.sh ab`` appends runs), takes the median ratio per (D, N) over the
-runs, and draws one panel per head dim: ratio vs N, before and after, with
-the target 1.0 dashed. A run with ``--variants`` has a row per variant: the
-``--*-variant`` options pick one ('MMA=0,MAX_ROWS=2'; '' the defaults),
-so before and after may be one log.
+Reads the final JSON line of every ``bench_kernels.py`` run in each log (a
+log may hold several runs, e.g. a base commit's and a change's, alternated),
+takes the median ratio per (D, N) over the runs, and draws one panel per head
+dim: ratio vs N, before and after, with the target 1.0 dashed. Older logs
+hold a row per launch variant ('MMA=0,MAX_ROWS=2'): the ``--*-variant``
+options pick one ('' the defaults, and rows without a variant).
 """
 
 import argparse

@@ -1,13 +1,13 @@
-"""Plot the issue's decode matrix: paired tok/s ratios against their targets.
+"""Plot the decode matrix: paired tok/s ratios against their targets.
 
-    python scripts/plot_decode_matrix.py OUT.png LABEL=GLOB ... [--title T]
+    python benchmarks/plot_decode_matrix.py OUT.png LABEL=GLOB ... [--title T]
 
-Each GLOB names ``gpu_split.py`` logs (one context / budget each; their last
+Each GLOB names ``decode_matrix.py`` logs (one context / budget each; their last
 line is the run's JSON). A panel per target: H2O without eviction against
 KVCache (>= 0.99), H2O evicting every step and in batches of 64 against
 RotatingKVCache (>= 0.97); a bar per (context / budget, LABEL). A ratio is
 the median over rounds of the base's wall time over the strategy's, as
-``gpu_split.py`` prints it ("tok/s vs").
+``decode_matrix.py`` prints it ("tok/s vs").
 """
 
 import argparse
@@ -36,7 +36,7 @@ def ratios(path: str) -> tuple:
     try:
         run = json.loads(lines[-1])
     except (IndexError, json.JSONDecodeError):
-        raise SystemExit(f"{path}: no final JSON line (a gpu_split.py run cut short?)")
+        raise SystemExit(f"{path}: no final JSON line (a decode_matrix.py run cut short?)")
     rows = run["rows"]
     out = {s: statistics.median(b["wall"] / x["wall"] for x, b in zip(rows[s], rows[base]))
            for s, base, _, _ in PANELS if s in rows and base in rows}
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
         label, sep, pattern = entry.partition("=")
         paths = sorted(glob.glob(pattern))
         if not sep or not paths:
-            print(f"{entry!r}: want LABEL=GLOB matching gpu_split.py logs", file=sys.stderr)
+            print(f"{entry!r}: want LABEL=GLOB matching decode_matrix.py logs", file=sys.stderr)
             return 2
         data[label] = dict(ratios(path) for path in paths)
     figure(data, args.title).savefig(args.out, dpi=110)

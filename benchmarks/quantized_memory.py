@@ -1,6 +1,6 @@
 """Resident KV bytes of quantized H2O caches (measured ``nbytes``) and decode-step cost.
 
-    python scripts/quantized_memory.py [--contexts 4096 16384] [--max-kv 256 1024]
+    python benchmarks/quantized_memory.py [--contexts 4096 16384] [--max-kv 256 1024]
 
 One attention layer with Qwen3-8B's K/V shape (8 KV heads, head_dim 128,
 float16), filled through the real cache path (512-token prefill chunks with

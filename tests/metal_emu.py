@@ -37,7 +37,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 
 from metal_check import ATTRIBUTES, MSL_VALUES, find_cxx  # noqa: E402
 from mlx_h2o.kernels.build import METAL_BUFFERS  # noqa: E402

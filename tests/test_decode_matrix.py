@@ -1,17 +1,17 @@
-"""scripts/gpu_split.py's trace helpers, on a stand-in profiler (CPU)."""
+"""benchmarks/decode_matrix.py's trace helpers, on a stand-in profiler (CPU)."""
 
 import importlib.util
 import os
 import sys
 from types import SimpleNamespace
 
-SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "scripts")
+SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 
 
 def load_script():
     sys.path.insert(0, SCRIPTS)
     try:
-        spec = importlib.util.spec_from_file_location("gpu_split", os.path.join(SCRIPTS, "gpu_split.py"))
+        spec = importlib.util.spec_from_file_location("decode_matrix", os.path.join(SCRIPTS, "decode_matrix.py"))
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     finally:

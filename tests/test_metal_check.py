@@ -1,4 +1,4 @@
-"""The Metal kernel text type-checked by clang (scripts/metal_check.py).
+"""The Metal kernel text type-checked by clang (tools/metal_check.py).
 
 No Metal compiler runs here: every Metal variant is wrapped as MLX's
 metal_kernel writes it and type-checked as C++ with Metal's address spaces
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 
 import metal_check  # noqa: E402
 import nvrtc_check  # noqa: E402

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 
 import gpu_check  # noqa: E402
 import metal_emu  # noqa: E402

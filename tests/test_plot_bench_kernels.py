@@ -1,4 +1,4 @@
-"""scripts/plot_bench_kernels.py: ratios per (D, N) from bench_kernels.py logs, by variant."""
+"""benchmarks/plot_bench_kernels.py: ratios per (D, N) from bench_kernels.py logs, by variant."""
 
 import importlib.util
 import json
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "plot_bench_kernels.py")
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "plot_bench_kernels.py")
 spec = importlib.util.spec_from_file_location("plot_bench_kernels", SCRIPT)
 plot = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(plot)

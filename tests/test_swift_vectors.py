@@ -27,7 +27,7 @@ def _load(path, name):
     return module
 
 
-gen = _load("scripts/make_swift_vectors.py", "make_swift_vectors")
+gen = _load("tools/make_swift_vectors.py", "make_swift_vectors")
 FILES = sorted(f for f in os.listdir(VECTORS) if f.endswith(".json"))
 STREAMS = [f for f in FILES if f not in ("config_cases.json", "metal_kernels.json")]
 
@@ -47,10 +47,10 @@ def _read(name):
 def test_regenerating_gives_identical_files():
     docs = dict(gen.documents())
     assert sorted(docs) == [f for f in FILES if f != "metal_kernels.json"], (
-        "run: python scripts/make_swift_vectors.py"
+        "run: python tools/make_swift_vectors.py"
     )
     for name, text in docs.items():
-        assert text == _read(name), f"{name} is stale: run python scripts/make_swift_vectors.py"
+        assert text == _read(name), f"{name} is stale: run python tools/make_swift_vectors.py"
 
 
 def test_vectors_are_small():

@@ -1,7 +1,7 @@
 """Check every GPU kernel variant against a float64 reference; exit 1 on any mismatch.
 
-    python scripts/gpu_check.py [--quick] [--seed S] [--fused-steps 300]
-        [--attention-only] [--lanes-per-key 0|8|16|32]
+    python tools/gpu_check.py [--quick] [--seed S] [--fused-steps 300]
+        [--attention-only | --skip-attention] [--jobs N]
 
 Attention: N in {1, 97, 257, 1025, 4097, 16385, 32768}, head dims 64-256,
 float16/bfloat16/float32, masks, GQA 1/2/4/8/16, Lq 1-8, sinks, cache views;
@@ -9,6 +9,9 @@ fresh random inputs, every output poisoned with NaN before the kernels run.
 Queue fold (kernels/queued.py): every N, head dim and dtype against float64.
 Fused H2O step: runs next to the reference H2OKVCache (on the CPU) for a few
 hundred decode steps and compares outputs, scores and every eviction.
+Fold step (h2o_fold_step): exact victims and positions against the policy.
+Before the checks, --jobs processes compile the kernels (MLX keeps them on
+disk for the checker). Exit 2 without a GPU backend (Metal or CUDA).
 """
 
 import argparse
@@ -25,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mlx_h2o import policy  # noqa: E402
 from mlx_h2o.cache import H2OKVCache  # noqa: E402
 from mlx_h2o.config import H2OConfig  # noqa: E402
-from mlx_h2o.kernels import decode, gpu_backend, h2o_decode_step, h2o_fold_step  # noqa: E402
+from mlx_h2o.kernels import gpu_backend, h2o_decode_step, h2o_fold_step  # noqa: E402
 from mlx_h2o.kernels.decode import decode_attention  # noqa: E402
 from mlx_h2o.kernels.queued import TILES, queue_fold  # noqa: E402
 from mlx_h2o.kernels.testing import (  # noqa: E402
@@ -358,7 +361,6 @@ def warm_all(quick: bool, jobs: int, attention: bool = True, folds: bool = True)
     cmd = [sys.executable, __file__, "--warm-jobs", str(jobs)] + (["--quick"] if quick else [])
     cmd += [] if attention else ["--skip-attention"]
     cmd += [] if folds else ["--attention-only"]
-    cmd += ["--lanes-per-key", str(decode.settings().lanes_per_key)]
     procs = [subprocess.Popen(cmd + ["--warm-shard", str(i)]) for i in range(jobs)]
     codes = [p.wait() for p in procs]
     print(f"compiled kernels in {jobs} processes: {time.time() - t0:.0f} s, exit codes {set(codes)}")
@@ -372,18 +374,11 @@ def main():
     p.add_argument("--skip-attention", action="store_true")
     p.add_argument("--attention-only", action="store_true",
                    help="only the attention sections (no folds, no fused steps)")
-    p.add_argument("--lanes-per-key", type=int, default=0, choices=[0, 8, 16, 32],
-                   help="decode_attention's TPK (0: decode.lanes_per_key)")
     p.add_argument("--jobs", type=int, default=min(15, os.cpu_count() or 1),
                    help="processes that compile kernels before the checks")
     p.add_argument("--warm-shard", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--warm-jobs", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
-    with decode.launch_settings(lanes_per_key=args.lanes_per_key):
-        return run(args)
-
-
-def run(args):
     if args.warm_shard is not None:
         warm(args.quick, args.warm_shard, args.warm_jobs, not args.skip_attention,
              not args.attention_only)
@@ -392,7 +387,7 @@ def run(args):
         print("no GPU backend (mx.metal / mx.cuda unavailable): nothing to check")
         return 2
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(3), "little")
-    print(f"backend={gpu_backend()} mlx={mx.__version__} seed={seed} TPK={args.lanes_per_key}")
+    print(f"backend={gpu_backend()} mlx={mx.__version__} seed={seed}")
     t0 = time.time()
     if args.jobs > 1:
         warm_all(args.quick, args.jobs, not args.skip_attention, not args.attention_only)

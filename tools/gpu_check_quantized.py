@@ -1,6 +1,7 @@
 """GPU check of the fused quantized attention, then decode timings.
 
-    python scripts/gpu_check_quantized.py [--quick] [--no-model]
+    python tools/gpu_check_quantized.py [--quick] [--no-model | --model-only]
+        [--context 2048] [--max-kv 1024] [--steps 32] [--reps 2]
 
 1. kernel vs float64 (tests/test_quantized_kernel.check: logits, lse, out)
    over dtypes, head dims, widths (mixed too), odd lengths, GQA, masks, sinks;
@@ -8,8 +9,11 @@
    same kept positions, outputs within float16 rounding;
 3. attention microbench (B=1, 32/8 heads, D=128, fp16): fused vs dequantize
    path vs mlx-lm's quantized SDPA vs dense;
-4. decode tok/s of a Qwen3-8B-shaped random 4-bit model per cache.
-Prints ``key=value`` lines and a final JSON line.
+4. decode tok/s of a Qwen3-8B-shaped random 4-bit model per cache: mlx-lm's
+   KVCache and QuantizedKVCache(8), dense H2O, 8-bit H2O read by the fused
+   kernel and by dequantizing, 4-bit, mixed 8/4-bit.
+Prints ``key=value`` lines and a final JSON line. Run it on a GPU: the fused
+kernel needs MLX with CUDA or Metal.
 """
 
 import argparse
@@ -25,6 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from test_quantized_kernel import check, make
 
+from mlx_h2o.eval.bench import random_model
 from mlx_h2o.kernels.quantized import quantized_attention
 
 
@@ -201,34 +206,6 @@ def microbench(quick):
     return rows
 
 
-def qwen3_8b_4bit():
-    from mlx import nn
-    from mlx_lm.models import qwen3
-
-    args = qwen3.ModelArgs(
-        model_type="qwen3",
-        hidden_size=4096,
-        num_hidden_layers=36,
-        intermediate_size=12288,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        rms_norm_eps=1e-6,
-        vocab_size=151936,
-        rope_theta=1e6,
-        max_position_embeddings=40960,
-        tie_word_embeddings=False,
-    )
-    model = qwen3.Model(args)
-    model.set_dtype(mx.bfloat16)  # like the mlx-community 4-bit checkpoints
-    for layer in model.model.layers:  # one layer's float32 weights at a time
-        nn.quantize(layer, group_size=64, bits=4)
-        mx.eval(layer.parameters())
-    nn.quantize(model, group_size=64, bits=4)  # embeddings and LM head
-    mx.eval(model.parameters())
-    return model
-
-
 def decode_tps(model, make_cache, prompt, steps):
     from mlx_h2o import patch
 
@@ -255,7 +232,7 @@ def model_bench(context, max_kv, steps, reps):
     from mlx_h2o import H2OConfig, make_h2o_cache
     from mlx_h2o.cache import QuantConfig, quantized_cache_type
 
-    model = qwen3_8b_4bit()
+    model = random_model("qwen3-8b", bits=4, dtype=mx.bfloat16)
     cfg = H2OConfig(max_size=max_kv, sink_size=4, heavy_budget=max_kv // 2)
     fused = storage.quantized_attention
 

@@ -13,7 +13,7 @@ boundary (victim vs runner-up, last kept vs first dropped) has two finite
 priorities closer than 1e-4 relative, unless the stream is built for exact
 ties (constant logits, where every candidate's score is bit-identical).
 
-Usage: python scripts/make_swift_vectors.py [--out swift/Tests/Vectors]
+Usage: python tools/make_swift_vectors.py [--out swift/Tests/Vectors]
 """
 
 import argparse

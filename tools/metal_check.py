@@ -18,7 +18,7 @@ cannot: Metal-only rules the stand-ins do not model (they model which types
 the SIMD shuffles take, not every builtin's), code generation, and anything
 at run time.
 
-    .venv/bin/python scripts/metal_check.py [--only SUBSTRING] [--dtypes float16,...]
+    .venv/bin/python tools/metal_check.py [--only SUBSTRING] [--dtypes float16,...]
         [--shape D,G,HK,L] [--dump FILE] [--cxx clang++]
 
 Exit 1 if any variant fails, 2 if no clang++ (version >= 17) is found.

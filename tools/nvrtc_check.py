@@ -18,7 +18,7 @@ One-time setup (PyPI only; paths below are the defaults):
         > /tmp/mlx_cuda.whl && unzip -q -o /tmp/mlx_cuda.whl -d /tmp/mlx_cuda
 
 Run (exit 1 if any variant fails, 2 if the toolchain is missing):
-    .venv/bin/python scripts/nvrtc_check.py [--only SUBSTRING] [--dtypes float16]
+    .venv/bin/python tools/nvrtc_check.py [--only SUBSTRING] [--dtypes float16]
         [--shape D,G,HK,L] [--dump DIR] [--cubin DIR] [-v] [-j JOBS]
         [--nvrtc-lib PATH] [--libmlx PATH] [--include DIR ...]
 The paths default to the setup above, or to $NVRTC_LIB, $MLX_LIB, $MLX_CCCL_DIR
@@ -42,7 +42,7 @@ from typing import Callable, Dict, List
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from mlx_h2o.kernels import build, cubin, decode, kv_write, quantized_gpu, queued  # noqa: E402
+from mlx_h2o.kernels import build, cubin, kv_write, quantized_gpu, queued  # noqa: E402
 from mlx_h2o.kernels.decode import layout  # noqa: E402
 
 _NV = next(iter(glob.glob("/tmp/nv/lib/python3*/site-packages/nvidia/cu13")),
@@ -138,9 +138,7 @@ def constants(kind: str, kw: dict, dtype: str, D: int, G: int, HK: int, L: int):
         return t + ([("BITS", 4), ("GS", 64)] if q else [])
     fused = kw.get("fused", kind not in ("pass1", "pass2", "pass1mma"))
     L = 1 if fused else L  # the fused step has one query
-    cfg = decode.settings()
-    lay = layout(D, 4 if dtype == "float32" else 2, G, L, cfg.keys_per_lane_group,
-                 cfg.lanes_per_key)
+    lay = layout(D, 4 if dtype == "float32" else 2, G, L)  # the automatic U and TPK
     t = [(k, dtype if k == "T" else v) for k, v in lay.template(None, D, L, G, HK)]
     if kind != "pass2":
         t.append(("MH", 1 if kw.get("mask") in ("bool", "add") else 0))
@@ -196,23 +194,19 @@ def quantized_kernels(D: int, G: int, backend: str = "cuda") -> List[Kernel]:
 
 
 def write_kernels(D: int, backend: str = "cuda") -> List[Kernel]:
-    """kv_write's kernels: dense, triples (4/8-bit, GS 64) with and without
-    dense outputs, packed K/V with them (IDXW 1: the quantized index; D for
-    dense)."""
+    """kv_write's kernels: quantized triples (4/8-bit, GS 64) with and without
+    dense outputs, packed K/V with them (IDXW 1: the quantized index)."""
     out = []
-    for quantized, dense_out, packed in ((False, True, False), (True, True, False),
-                                         (True, False, False), (True, True, True)):
-        inputs, outputs = kv_write.names(quantized, dense_out, packed)
-        src = kv_write.source(backend, quantized, dense_out, packed)
+    for dense_out, packed in ((True, False), (False, False), (True, True)):
+        inputs, outputs = kv_write.names(dense_out, packed)
+        src = kv_write.source(backend, dense_out, packed)
         types = {"idx": "int32_t"}
         types.update({n: "uint32_t" for n in inputs + outputs
                       if n.startswith(("kw", "vw", "kv"))})
-        for bits in ((4, 8) if quantized else (None,)):
+        for bits in (4, 8):
             def tmpl(dt, bits=bits):
-                t = [("T", dt), ("D", D)]
-                return t + ([("BITS", bits), ("GS", 64), ("IDXW", 1)] if bits else [("IDXW", D)])
-            label = (f"kvwrite quantized={quantized} dense_out={dense_out} packed={packed} "
-                     f"bits={bits}")
+                return [("T", dt), ("D", D), ("BITS", bits), ("GS", 64), ("IDXW", 1)]
+            label = f"kvwrite dense_out={dense_out} packed={packed} bits={bits}"
             out.append(Kernel(label, *src, inputs, outputs, tmpl, types))
     return out
 

@@ -1,7 +1,7 @@
 """Ratio of two strategies' PPL increases, with paired uncertainty.
 
-    python eval/ratio.py results/ppl/<dir> h2o-heavy-<hash>-kv256-L512 rotating-kv256-L512 \
-        [--baseline baseline-L512] [--target 0.3333]
+    python benchmarks/eval/ratio.py results/ppl/<dir> h2o-heavy-<hash>-kv256-L512 \
+        rotating-kv256-L512 [--baseline baseline-L512] [--target 0.3333]
 
 Reads the per-sample mean NLLs saved by ``mlx-h2o ppl`` and prints, for
 A = the candidate and B = the reference (both vs the baseline, same samples):
@@ -16,12 +16,12 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 from mlx_h2o.eval.ppl import ratio_vs  # noqa: E402
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("results_dir", type=Path)
     p.add_argument("candidate")
     p.add_argument("reference")

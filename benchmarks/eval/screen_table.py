@@ -2,8 +2,8 @@
 baseline, its ratio to a reference (Rotating), and its paired difference to a
 default H2O strategy, all from the per-sample NLLs ``mlx-h2o ppl`` saved.
 
-    python eval/screen_table.py <results dir> [<dir> ...] --default h2o-heavy-aba660-kv256-L512 \
-        --ref rotating-kv256-L512 --keys <key> [<key> ...]
+    python benchmarks/eval/screen_table.py <results dir> [<dir> ...] \
+        --default h2o-heavy-<hash>-kv256-L512 --ref rotating-kv256-L512 --keys <key> ...
 
 Several dirs (disjoint sample sets of the same setup) are pooled by
 concatenating their samples. Statistics: ``mlx_h2o.eval.ppl.ratio_vs``.
@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 from mlx_h2o.eval.ppl import ratio_vs  # noqa: E402
 
 
