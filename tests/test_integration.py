@@ -113,14 +113,18 @@ def test_routing_leaves_other_caches_alone():
     assert mx.array_equal(ref, out)
 
 
-def test_unsupported_model_is_named():
+def test_unsupported_model_is_named(monkeypatch):
+    from mlx_lm.models import llama
+
     model = tiny_llama()
-    fake = type("FakeModel", (type(model),), {"__module__": "not_mlx_lm.fake"})
-    model.__class__ = fake
-    with pytest.raises(ValueError, match="'llama' computes attention without"):
-        make_h2o_cache(model, H2OConfig(max_size=8))
+    # Attention that calls mx.fast's SDPA itself (as gemma2's does): refused up front.
+    fast = lambda q, k, v, cache, scale, mask: mx.fast.scaled_dot_product_attention(  # noqa: E731
+        q, k, v, scale=scale, mask=mask)
+    with monkeypatch.context() as m:
+        m.setattr(llama, "scaled_dot_product_attention", fast)
+        with pytest.raises(ValueError, match="'llama' .* never attends it through"):
+            make_h2o_cache(model, H2OConfig(max_size=8))
     # A model that bypasses the routed function at run time fails on the next call.
-    model.__class__ = fake.__mro__[1]
     cache = make_h2o_cache(model, H2OConfig(max_size=8))
     model(mx.array([[1, 2, 3]]), cache=cache)  # not patched: no scores reported
     with pytest.raises(RuntimeError, match="model: llama"):

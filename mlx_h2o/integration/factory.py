@@ -1,17 +1,18 @@
 """Build H2O caches for an mlx-lm model."""
 
 import os
-import sys
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
+import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache
 
 from .. import budgets
 from ..cache import H2OKVCache
 from ..cache.group import link_layers
 from ..config import H2OConfig, with_max_size
 from ..profiles import LayerProfile, load_profile, packaged_name, shipped_profile
+from . import routing
 
 LayerBudget = Union[str, os.PathLike, LayerProfile]
 
@@ -21,16 +22,105 @@ def model_name(model: nn.Module) -> str:
     return getattr(args, "model_type", None) or type(model).__module__
 
 
-def check_supported(model: nn.Module) -> None:
-    """H2O needs the model's attention to go through mlx-lm's routed SDPA."""
-    module = sys.modules.get(type(model).__module__)
-    if module is None or not hasattr(module, "scaled_dot_product_attention"):
-        raise ValueError(
-            f"model {model_name(model)!r} computes attention without "
-            "mlx_lm.models.base.scaled_dot_product_attention, so H2O cannot read "
-            "its attention scores; use a model whose mlx-lm module imports it "
-            "(llama, qwen3, gemma3_text, mistral, ...)"
+class _Probe:
+    """A model's own KV cache, counting its writes and the attention calls that
+    reach it through the routed SDPA (``check_supported``'s traced forward)."""
+
+    writes = routed = 0
+    shared = writing = False
+
+    def update_and_fetch(self, keys, values):
+        self.writes += 1
+        self.writing = True
+        try:
+            return super().update_and_fetch(keys, values)
+        finally:
+            self.writing = False
+
+    def h2o_attention(self, queries, keys, values, *, scale, mask=None, sinks=None):
+        self.routed += 1
+        return mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=scale, mask=mask, sinks=sinks
         )
+
+    def keys_and_values(self):
+        # Read from outside its own write: another layer attends these keys.
+        self.shared = self.shared or not self.writing
+        return super().keys_and_values()
+
+
+class _ProbeKV(_Probe, KVCache):
+    pass
+
+
+class _ProbeRotating(_Probe, RotatingKVCache):
+    pass
+
+
+_PROBES = {KVCache: _ProbeKV, RotatingKVCache: _ProbeRotating}
+
+
+def check_supported(model: nn.Module) -> None:
+    """Raise ValueError unless every attention KV cache of ``model`` is attended
+    through mlx-lm's routed SDPA, once per write (what H2O reads scores from).
+
+    Decided by what the model calls, not by what its modules import: a forward
+    pass over 2 tokens and then 1 (prefill and decode paths) with the model's
+    own caches counting writes, routed calls and reads by other layers. MLX is
+    lazy and the logits are never evaluated, so the pass costs graph building
+    only (~50 ms for an 8B llama on a CPU core; a model that reads values inside
+    its forward, as dbrx's expert routing does, evaluates those parts).
+    """
+    name = model_name(model)
+    caches = _model_caches(model)
+    probes = [_get(caches, s) for s in _attention_slots(caches)]
+    if not probes:
+        kinds = sorted({type(c).__name__ for c in caches})
+        raise ValueError(
+            f"model {name!r} has no attention KV cache to replace (its caches: "
+            f"{', '.join(kinds)}); H2O replaces mlx-lm's KVCache / RotatingKVCache"
+        )
+    for p in probes:
+        p.__class__ = _PROBES[type(p)]
+    try:
+        with routing.trace_unrouted() as unrouted:
+            for n in (2, 1):
+                model(mx.zeros((1, n), dtype=mx.int32), cache=caches)
+    except Exception as e:
+        raise ValueError(
+            f"model {name!r} failed a probe forward pass with its own caches "
+            f"({type(e).__name__}: {e}), so mlx-h2o cannot tell which caches its "
+            "attention reads; H2O needs an mlx-lm model that runs "
+            "model(tokens, cache=...)"
+        ) from e
+    why = _why_not(probes, unrouted)
+    if why:
+        raise ValueError(
+            f"model {name!r} ({type(model).__module__}) {why}, so H2O cannot read "
+            "or keep its attention scores; use a model whose attention layers each "
+            "call mlx_lm.models.base.scaled_dot_product_attention on their own "
+            "KVCache (README, Supported models)"
+        )
+
+
+def _why_not(probes, unrouted) -> Optional[str]:
+    """What the traced forward pass saw that H2O cannot work with, or None."""
+    n = len(probes)
+    for k, p in enumerate(probes):
+        if p.writes and not p.routed:
+            return (f"writes KV cache {k} (of {n}) but never attends it through "
+                    "mlx_lm.models.base.scaled_dot_product_attention(cache=that cache)")
+        if p.writes != p.routed:
+            return (f"attends KV cache {k} (of {n}) {p.routed} times for {p.writes} "
+                    "writes (a cache shared between layers or looped layers)")
+        if p.shared:
+            return (f"lets other layers read KV cache {k} (of {n}) "
+                    "(KV shared between layers)")
+        if not p.writes:
+            return f"never writes KV cache {k} (of {n})"
+    if any(c is None for c in unrouted):
+        return "attends keys held in no cache (KV shared between layers)"
+    return None
 
 
 def make_h2o_cache(
@@ -43,8 +133,10 @@ def make_h2o_cache(
     """The model's prompt cache with every attention cache replaced by an H2O one.
 
     Full-attention layers (``KVCache``) get ``cache_type(config)``; sliding
-    window layers (``RotatingKVCache``) get one that respects the window.
-    Other caches (SSM state, ...) are kept as the model made them.
+    window layers (``RotatingKVCache``) get one that respects the window; the
+    same inside a hybrid layer's ``CacheList``. Other caches (SSM state, ...)
+    are kept as the model made them. A model whose attention does not go
+    through mlx-lm's routed SDPA is refused (``check_supported``).
 
     How ``config.max_size`` is shared between the attention layers:
     ``layer_budget="auto"`` (default): the shipped layer profile when the model
@@ -62,10 +154,8 @@ def make_h2o_cache(
     check_supported(model)
     caches = _model_caches(model)
     name = model_name(model)
-    layers = [i for i, c in enumerate(caches) if type(c) in (KVCache, RotatingKVCache)]
-    if not layers:
-        raise ValueError(f"model {name!r} has no attention KV cache to replace")
-    windows = tuple(_window(caches[i]) for i in layers)
+    layers = _attention_slots(caches)
+    windows = tuple(_window(_get(caches, s)) for s in layers)
     origin = "layer_sizes"
     if layer_sizes is not None and not _is_auto(layer_budget):
         raise ValueError(
@@ -78,10 +168,12 @@ def make_h2o_cache(
             layer_sizes = profile_layer_sizes(profile, config, windows)
             origin = f"layer profile {profile.name}"
     cfgs = layer_configs(config, layer_sizes, len(layers), origin)
-    for i, cfg, window in zip(layers, cfgs, windows):
-        caches[i] = cache_type(cfg, window_size=window)
-        caches[i].model_name = name
-    link_layers([caches[i] for i in layers])  # folds apart; GPU: one fold launch a token
+    h2o = []
+    for slot, cfg, window in zip(layers, cfgs, windows):
+        h2o.append(cache_type(cfg, window_size=window))
+        h2o[-1].model_name = name
+        _put(caches, slot, h2o[-1])
+    link_layers(h2o)  # folds apart; GPU: one fold launch a token
     return caches
 
 
@@ -89,6 +181,37 @@ def _model_caches(model) -> List[Any]:
     if hasattr(model, "make_cache"):
         return model.make_cache()
     return [KVCache() for _ in model.layers]
+
+
+Slot = Tuple[int, Optional[int]]
+
+
+def _attention_slots(caches) -> List[Slot]:
+    """(layer, member) of every attention KV cache, in layer order; member is
+    None for a cache of its own, else its index in the layer's CacheList
+    (hybrid layers: SSM state and KV cache side by side)."""
+    slots = []
+    for i, c in enumerate(caches):
+        if type(c) in _PROBES:
+            slots.append((i, None))
+        elif type(c) is CacheList:
+            slots += [(i, j) for j, m in enumerate(c.caches) if type(m) in _PROBES]
+    return slots
+
+
+def _get(caches, slot: Slot):
+    i, j = slot
+    return caches[i] if j is None else caches[i].caches[j]
+
+
+def _put(caches, slot: Slot, cache) -> None:
+    i, j = slot
+    if j is None:
+        caches[i] = cache
+    else:
+        members = list(caches[i].caches)
+        members[j] = cache
+        caches[i].caches = tuple(members)
 
 
 def _window(cache) -> Optional[int]:
@@ -101,8 +224,8 @@ def _is_auto(layer_budget) -> bool:
 
 def attention_windows(model: nn.Module) -> tuple:
     """Per attention layer of ``model``: its sliding window or None (full attention)."""
-    return tuple(_window(c) for c in _model_caches(model)
-                 if type(c) in (KVCache, RotatingKVCache))
+    caches = _model_caches(model)
+    return tuple(_window(_get(caches, s)) for s in _attention_slots(caches))
 
 
 def resolve_layer_profile(

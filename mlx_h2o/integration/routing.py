@@ -9,7 +9,8 @@ function from ``base``; unpatching restores every module that holds it.
 import sys
 import threading
 from contextlib import contextmanager
-from typing import Optional
+from contextvars import ContextVar
+from typing import List, Optional
 
 import mlx.core as mx
 import mlx_lm.models.base as base
@@ -17,6 +18,9 @@ import mlx_lm.models.base as base
 _ORIGINAL = base.scaled_dot_product_attention
 _lock = threading.Lock()
 _depth = 0
+# While check_supported traces a forward pass: the caches of the attention
+# calls that no H2O cache computed.
+_unrouted: ContextVar[Optional[list]] = ContextVar("mlx_h2o_unrouted", default=None)
 
 
 def scaled_dot_product_attention(
@@ -25,6 +29,9 @@ def scaled_dot_product_attention(
     """mlx-lm's SDPA, except that caches with ``h2o_attention`` compute it themselves."""
     attend = getattr(cache, "h2o_attention", None)
     if attend is None:
+        calls = _unrouted.get()
+        if calls is not None:
+            calls.append(cache)
         return _ORIGINAL(
             queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
         )
@@ -77,3 +84,16 @@ def patch():
         yield
     finally:
         disable()
+
+
+@contextmanager
+def trace_unrouted():
+    """``patch()``, also collecting the ``cache`` argument of every routed call
+    that no H2O cache computed (``check_supported``'s traced forward pass)."""
+    calls: List = []
+    token = _unrouted.set(calls)
+    try:
+        with patch():
+            yield calls
+    finally:
+        _unrouted.reset(token)

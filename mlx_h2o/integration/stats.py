@@ -70,7 +70,9 @@ def _token_bytes(c) -> int:
 
 def cache_stats(cache: List[Any]) -> CacheStats:
     """Stats over the H2O caches of a prompt cache."""
-    h2o = [c for c in cache if hasattr(c, "h2o_attention")]
+    # A hybrid layer's CacheList holds its H2O cache next to SSM state.
+    layers = [m for c in cache for m in getattr(c, "caches", (c,))]
+    h2o = [c for c in layers if hasattr(c, "h2o_attention")]
     if not h2o:
         raise ValueError("the prompt cache holds no H2O cache")
     seen = tuple(c.offset for c in h2o)
