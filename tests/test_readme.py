@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[1]
-DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "eval" / "README.md",
-        *sorted((ROOT / "docs").glob("*.md"))]
+# README.md, docs/*.md and the README of every folder (eval/, benchmarks/eval/, ...).
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+        *sorted(p for p in [*ROOT.glob("*/README.md"), *ROOT.glob("*/*/README.md")]
+                if not any(part.startswith(".") for part in p.relative_to(ROOT).parts))]
 FENCE = re.compile(r"^```(\w*)\s*$")
 NOT_RUN = re.compile(r"^<!--\s*not-run:\s*(.+?)\s*-->$")
 
