@@ -15,7 +15,10 @@ import mlx_h2o.cache.deferred as deferred
 from mlx_h2o import H2OConfig, H2OKVCache, make_h2o_cache, policy
 from mlx_h2o.cache.deferred import ScoreQueue, batch_fold, batch_logits
 from mlx_h2o.kernels.reference import scaled_dot_product_attention_with_scores
+from mlx_h2o.scores import DEFERRABLE, SCORE_MODES
 from tiny_models import tiny_llama
+
+NOT_DEFERRABLE = [m for m in SCORE_MODES if m not in DEFERRABLE]  # the EMA modes
 
 D, HQ, HK = 8, 4, 2
 
@@ -52,16 +55,16 @@ def assert_same(lazy, eager):
                                    rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["accumulated", "normalized"])
+@pytest.mark.parametrize("mode", DEFERRABLE)
 @pytest.mark.parametrize("steps", [1, 3, 32])
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("fixed_width,grow", [(True, 256), (True, 8), (False, 8)])
-def test_deferred_equals_per_step_fold(mode, steps, seed, fixed_width, grow):
-    # grow 8: folds read n rounded up to 8 slots of a larger buffer (or exactly n)
+@pytest.mark.parametrize("grow", [256, 8])
+def test_deferred_equals_per_step_fold(mode, steps, seed, grow):
+    # grow 8: folds read n rounded up to 8 slots of a larger buffer
     cfg = H2OConfig(max_size=40, sink_size=2, heavy_budget=15, score=mode, pinned=((5, 7),),
                     step=grow)
     lazy, eager = pair(cfg)
-    lazy.defer_steps, lazy.fixed_fold_width = steps, fixed_width
+    lazy.defer_steps = steps
     lazy.set_fold_phase(seed)
     rng_a, rng_b = np.random.default_rng(seed), np.random.default_rng(seed)
     # Fill by decode steps, a chunk in between, past the budget, then evict.
@@ -131,8 +134,8 @@ def test_memory_bound_folds_sooner(monkeypatch):
     assert len(cache._queue) == 0
 
 
-@pytest.mark.parametrize("mode,window", [("ema", None), ("attention_ema", None),
-                                         ("accumulated", 9)])
+@pytest.mark.parametrize("mode,window", [(m, None) for m in NOT_DEFERRABLE]
+                         + [(DEFERRABLE[0], 9)])
 def test_not_deferred_where_not_a_sum(mode, window):
     lazy, eager = pair(H2OConfig(max_size=30, score=mode), window)
     rngs = [np.random.default_rng(2), np.random.default_rng(2)]

@@ -31,6 +31,7 @@ from mlx_h2o.cache import first_use as first_use_check  # noqa: E402
 from mlx_h2o.kernels import (build, decode, group_fold, h2o_step, kv_write,  # noqa: E402
                              quantized_gpu, queued)
 from mlx_h2o.kernels.testing import Case, check_case  # noqa: E402
+from mlx_h2o.scores import SCORE_MODES  # noqa: E402
 
 needs_clang = pytest.mark.skipif(not metal_emu.find_cxx(),
                                  reason="no clang++ >= 17 for the emulator")
@@ -206,7 +207,7 @@ def test_metal_fold_step_matches_the_policy(metal):
 
 
 @needs_clang
-@pytest.mark.parametrize("mode", ["accumulated", "normalized", "ema", "attention_ema"])
+@pytest.mark.parametrize("mode", SCORE_MODES)
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_metal_group_fold_matches_the_policy(metal, mode, dtype):
     """The group fold (a full cache's one launch a token) on Metal's text:
@@ -226,12 +227,6 @@ def test_metal_group_fold_reads_packed_keys(metal, bits, gs):
 
 # The GPU test files' own checks, called with the emulator in place (smaller
 # cases where theirs would take minutes on one CPU).
-@needs_clang
-@pytest.mark.parametrize("dtype,D", [(mx.float16, 64), (mx.bfloat16, 80)])
-def test_metal_dense_write(metal, dtype, D):
-    test_kv_write_gpu.test_dense_write_matches_put_along_axis(dtype, D)
-
-
 def gpu_quantize(x, group_size=64, bits=8):
     """mx.quantize as MLX's GPU kernels compute it (the K/V write kernels
     mirror those): the group's max starts at 0 and ties round away from
@@ -388,8 +383,7 @@ def test_metal_group_fold_in_grouped_caches(metal, quant):
 
 
 @needs_clang
-@pytest.mark.parametrize("quant,family", [(None, "K/V write dense"),
-                                          ((4, 32), "K/V write packed")])
+@pytest.mark.parametrize("quant,family", [((4, 32), "K/V write packed")])
 def test_metal_kv_write_in_grouped_caches(first_use, monkeypatch, quant, family):
     """Grouped caches whose evicting steps write K/V through the Metal write
     kernel vs the same caches writing with put_along_axis (quantized: with

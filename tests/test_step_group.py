@@ -1,8 +1,7 @@
 """Group steps (cache/group.py) against per-layer H2O caches.
 
 Layers in a StepGroup attend evicting decode steps with MLX's SDPA and fold
-their queries together once the last member pushed (or, with
-``fold_at_last_push = False``, at the next token); every decision must be the
+their queries together once the last member pushed; every decision must be the
 per-layer cache's: same kept positions, scores, counts and outputs. On the
 CPU the group runs its reference fold (the policy ops on the stacked state);
 the GPU kernel is checked against that reference in test_kernels_gpu.py and
@@ -18,19 +17,19 @@ from mlx_h2o.cache import QuantConfig, quantized_cache_type
 from mlx_h2o.cache.group import make_groups
 from mlx_h2o.config import with_max_size
 from mlx_h2o.kernels import gpu_backend
+from mlx_h2o.scores import SCORE_MODES
 from tiny_models import VOCAB, teacher_forced, tiny_llama
 
 D, HQ, HK, B = 8, 4, 2, 2
 
 
-def layer_sets(cfgs, last_push=True):
+def layer_sets(cfgs):
     """Per-layer caches and the same caches in one StepGroup (reference fold)."""
     plain = [H2OKVCache(c) for c in cfgs]
     grouped = [H2OKVCache(c) for c in cfgs]
     for c in grouped:
         c._group = None
-    for g in make_groups(grouped, size=len(grouped), use_kernel=False):
-        g.fold_at_last_push = last_push
+    make_groups(grouped, size=len(grouped), use_kernel=False)
     return plain, grouped
 
 
@@ -80,11 +79,10 @@ def configs(mode="accumulated", sizes=(24, 40, 31)):
     return [with_max_size(base, s) for s in sizes]
 
 
-@pytest.mark.parametrize("mode", ["accumulated", "normalized", "ema", "attention_ema"])
+@pytest.mark.parametrize("mode", SCORE_MODES)
 @pytest.mark.parametrize("check", [(), (30, 31, 55)])
-@pytest.mark.parametrize("last_push", [True, False])
-def test_group_equals_per_layer(mode, check, last_push):
-    plain, grouped = layer_sets(configs(mode), last_push)
+def test_group_equals_per_layer(mode, check):
+    plain, grouped = layer_sets(configs(mode))
     lengths = [5] + [1] * 30 + [4] + [1] * 40
     a = run(plain, 0, lengths, check)
     b = run(grouped, 0, lengths, check)
@@ -114,22 +112,6 @@ def test_group_steps_are_taken_and_stacked():
     grouped[0].update_and_fetch(k, k)
     assert grouped[0]._slot is group._victims[0] and grouped[0]._victim is None
     assert not group.has_pending()
-
-
-def test_fold_at_next_token():
-    """``fold_at_last_push = False``: the queries wait until the next token's
-    first member call, which folds every member at once."""
-    plain, grouped = layer_sets(configs(), last_push=False)
-    run(grouped, 1, [5] + [1] * 60)
-    group = grouped[0]._group
-    assert group.has_pending() and group._stacked == grouped
-    rng = np.random.default_rng(9)
-    k = mx.array(rng.standard_normal((B, HK, 1, D)).astype(np.float32))
-    grouped[0].update_and_fetch(k, k)
-    assert not group.has_pending()
-    # Member 0 wrote its token where the fold told it; the others are told.
-    assert grouped[0]._slot is group._victims[0] and grouped[0]._victim is None
-    assert all(c._victim is v for c, v in zip(grouped[1:], group._victims[1:]))
 
 
 def test_release_mid_token_and_masked_step():

@@ -33,8 +33,8 @@ def windowed(cfgs):
     return [H2OKVCache(c, window_size=18) for c in cfgs]
 
 
-def grouped(cfgs, last_push=True):
-    return layer_sets(cfgs, last_push)[1]
+def grouped(cfgs):
+    return layer_sets(cfgs)[1]
 
 
 def quantized(cfgs, group=False):
@@ -50,7 +50,6 @@ KINDS = {
     "per_layer": (per_layer, D),
     "window": (windowed, D),
     "grouped": (grouped, D),
-    "grouped_fold_next": (lambda cfgs: grouped(cfgs, last_push=False), D),
     "quantized": (quantized, 64),
     "quantized_grouped": (lambda cfgs: quantized(cfgs, group=True), 64),
 }
@@ -171,16 +170,3 @@ def test_fast_path_declines_where_the_general_path_does_more(case, monkeypatch):
     assert_same_caches(runs[0][0], runs[1][0])
 
 
-def test_fast_path_leaves_a_waiting_group_member_to_the_general_path():
-    """With ``fold_at_last_push = False`` the first member of a token still
-    holds its last query: it has no victim yet (its last one was written),
-    so the fast path is not taken, and its update flushes the group."""
-    caches = grouped(configs(), last_push=False)
-    rng = np.random.default_rng(5)
-    for L in [5] + [1] * 50:
-        token(caches, L, rng)
-    group = caches[0]._group
-    assert group.waits_for(caches[0]) and caches[0]._victim is None
-    k = mx.array(rng.standard_normal((B, HK, 1, D)).astype(np.float32))
-    caches[0].update_and_fetch(k, k)
-    assert not group.has_pending() and caches[0]._slot is group._victims[0]

@@ -161,15 +161,6 @@ def written(index: mx.array, capacity: int) -> np.ndarray:
     return rows
 
 
-def dense_write_differs(got, want) -> Optional[str]:
-    """None if two dense K/V writes are equal bit for bit (a copy)."""
-    for name, g, w in zip(("keys", "values"), got, want):
-        if not np.array_equal(np.array(g.astype(mx.float32)), np.array(w.astype(mx.float32)),
-                              equal_nan=True):
-            return f"written {name} differ"
-    return None
-
-
 def quantized_write_differs(bits: int, group_size: int, rows: np.ndarray, got, want,
                             dense=None) -> Optional[str]:
     """None if two quantized writes agree; else what differed. ``got`` /

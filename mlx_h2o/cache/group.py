@@ -33,16 +33,6 @@ class StepGroup:
     the reference (tests); True requires the kernel.
     """
 
-    # Fold when the last member pushed, in this token's graph, instead of at
-    # the next token's first member call. The fold reads every member's K
-    # buffer; a victim write (put_along_axis) can donate that buffer only once
-    # the fold's launch has finished on the GPU (MLX holds a launch's inputs
-    # until then), otherwise it copies it. Folding at the next token's start
-    # made some of the first layers' writes copy, how many depending on timing
-    # (9-11 per token on the H100), and every change in a token's kernel list
-    # costs CUDA-graph updates on the host (docs/GPU.md, "Session 9").
-    fold_at_last_push = True
-
     def __init__(self, use_kernel: Optional[bool] = None):
         self.use_kernel = use_kernel
         self.members: List = []
@@ -80,11 +70,17 @@ class StepGroup:
     def push(self, cache, queries: mx.array, scale: float, out: mx.array) -> mx.array:
         """``cache`` wrote its token into ``cache._slot`` and attended (``out``):
         fold later. Returns ``out``, made to depend on the fold when this was the
-        last member to push (``fold_at_last_push``)."""
+        last member to push.
+
+        Folding when the last member pushed, in this token's graph: the fold
+        reads every member's K buffer, and a victim write can donate that
+        buffer only once the fold's launch has finished on the GPU; folding
+        at the next token's start made some writes copy the whole buffer and
+        changed a token's kernel list (CUDA-graph updates on the host)."""
         self._pending[id(cache)] = (cache, queries, cache._slot)
         cache._group_scale = scale
         cache._slot, cache._meta_pending, cache._pending = None, False, False
-        if self.fold_at_last_push and len(self._pending) == len(self.members):
+        if len(self._pending) == len(self.members):
             self.flush()
             return mx.depends(out, self._meta[0])
         return out

@@ -8,11 +8,12 @@ quantized once, when written.
 
 import mlx.core as mx
 
+from ..kernels.kv_write import write_plan, write_supported
 from ..kernels.packed import pack, unpack
 from ..kernels.quantized import quantized_attention, uses_kernel
 from ..kernels.quantized_reference import dequantize
 from . import first_use
-from .storage import WritePlans, resize_slots, take_slots
+from .storage import resize_slots, take_slots
 
 Triple = tuple[mx.array, mx.array, mx.array]
 
@@ -82,6 +83,25 @@ def _unpacked(name):
         setattr(self, attr, value)
 
     return property(get, put)
+
+
+class WritePlans:
+    """The kv_write plan for a storage's decode writes, or None where the kernel
+    does not run; decided once per signature (decode is host bound)."""
+
+    def __init__(self):
+        self.sig = self.plan = None
+
+    def get(self, keys, values, index, bits, group_size=64, dense_out=True,
+            packed=False):
+        sig = (keys.shape, keys.dtype, values.shape, index.shape, index.dtype,
+               mx.default_device(), dense_out, packed)
+        if sig != self.sig:
+            ok = write_supported(keys, values, index, bits, group_size)
+            self.plan = (write_plan(keys.dtype, keys.shape[3], bits, group_size, dense_out,
+                                    packed) if ok else None)
+            self.sig = sig
+        return self.plan
 
 
 class QuantizedKV:

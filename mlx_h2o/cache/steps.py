@@ -34,10 +34,6 @@ class DecodeSteps:
     # GPU decode: one fused launch attends, folds scores and picks the next
     # victim (kernels.h2o_decode_step); False keeps the op-by-op path.
     use_fused_step = True
-    # The fused step reads the whole K/V buffers with a valid count (fixed
-    # shapes: its compiled launch replays while the cache fills); False passes
-    # the fetched views instead (kept to compare the two in benchmarks).
-    fused_whole_buffers = True
     # Decode steps that take the op-by-op attention (quantized storage, masks)
     # fold their scores and pick the next victim in one GPU launch
     # (kernels.h2o_fold_step); subclasses that move tokens on eviction opt out.
@@ -108,7 +104,7 @@ class DecodeSteps:
 
     def _fused_step(self, plan, queries, keys, values, scale, mask, sinks):
         slot, n = self._slot, self._n
-        if mask is None and self.fused_whole_buffers:
+        if mask is None:
             # Whole buffers + a valid count: shapes only change when the buffers
             # grow, so the plan's compiled launch replays on every other step.
             keys, values = self.kv.keys, self.kv.values

@@ -8,11 +8,6 @@ triples and its own attention with the same interface.
 import mlx.core as mx
 
 from ..kernels import scaled_dot_product_attention_with_scores
-from ..kernels.kv_write import write_plan, write_supported
-from . import first_use
-
-# Kernel families of the Metal first-use check (cache/first_use.py).
-DENSE_WRITE = "K/V write dense"
 
 
 def resize_slots(old, n: int, shape, dtype):
@@ -28,25 +23,6 @@ def take_slots(a, slots, n: int):
     idx = slots if a.ndim == 3 else slots[..., None]
     a = a if n == a.shape[2] else a[:, :, :n]  # a full buffer: no slice node
     return mx.take_along_axis(a, idx, axis=2)
-
-
-class WritePlans:
-    """The kv_write plan for a storage's decode writes, or None where the kernel
-    does not run; decided once per signature (decode is host bound)."""
-
-    def __init__(self):
-        self.sig = self.plan = None
-
-    def get(self, keys, values, index, bits=None, group_size=64, dense_out=True,
-            packed=False):
-        sig = (keys.shape, keys.dtype, values.shape, index.shape, index.dtype,
-               mx.default_device(), dense_out, packed)
-        if sig != self.sig:
-            ok = write_supported(keys, values, index, bits, group_size)
-            self.plan = (write_plan(keys.dtype, keys.shape[3], bits, group_size, dense_out,
-                                    packed) if ok else None)
-            self.sig = sig
-        return self.plan
 
 
 def put_slot(a, slot, value):
@@ -70,13 +46,9 @@ class DenseKV:
 
     # What a StepGroup's fold reads (cache/group.py); layers of one kind fold together.
     group_kind = ("dense",)
-    # On a GPU, write a decode token into its victim slot with one launch
-    # (kernels/kv_write.py) instead of two put_along_axis.
-    fused_write = False
 
     def __init__(self):
         self.keys = self.values = None
-        self._writes = WritePlans()
 
     @property
     def capacity(self) -> int:
@@ -101,16 +73,8 @@ class DenseKV:
     def write_index(self, index: mx.array, keys: mx.array, values: mx.array,
                     for_sdpa: bool = False):
         """Write one token per row at ``index`` (B, Hk, 1, D), already broadcast."""
-        plan = None
-        if self.fused_write and first_use.passed(DENSE_WRITE):  # off by default
-            plan = self._writes.get(keys, values, index)
-        if plan is None:  # the hot path of dense decode: two direct scatters
-            self.keys = mx.put_along_axis(self.keys, index, keys, axis=2)
-            self.values = mx.put_along_axis(self.values, index, values, axis=2)
-            return
-        self.keys, self.values = first_use.launch(
-            DENSE_WRITE, plan, (keys, values, index, self.keys, self.values), scatter_write,
-            lambda args, got, want: first_use.dense_write_differs(got, want))
+        self.keys = mx.put_along_axis(self.keys, index, keys, axis=2)
+        self.values = mx.put_along_axis(self.values, index, values, axis=2)
 
     def gather(self, slots: mx.array, n: int):
         self.keys = take_slots(self.keys, slots, n)
@@ -155,9 +119,3 @@ class DenseKV:
 
     def set_state(self, arrays):
         self.keys, self.values = arrays
-
-
-def scatter_write(keys, values, index, stored_keys, stored_values) -> tuple:
-    """The dense write kernel's work by ops (its reference): two scatters."""
-    return (mx.put_along_axis(stored_keys, index, keys, axis=2),
-            mx.put_along_axis(stored_values, index, values, axis=2))

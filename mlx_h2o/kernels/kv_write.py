@@ -14,8 +14,7 @@ K/V of every slot (transient; freed once attended).
 MLX custom kernels cannot write an input in place, so the outputs are new
 buffers and every slot is copied: ~2 x (K+V packed) + dense bytes per layer
 step (8-bit, 1K slots, 8 KV heads, D 128: ~8 MB, ~4 us at the H100's
-2.4 TB/s). ``dense_write`` is the same for plain K/V (two outputs instead of
-two scatters).
+2.4 TB/s). Dense K/V take two ``put_along_axis`` (no kernel: two ops).
 
 Each output costs ~3 us of host time per launch (``scripts/gpu_launch_cost.py``),
 so a group step writes K and V packed in one buffer (``packed_write``,
@@ -25,7 +24,7 @@ Shapes: keys/values (B, Hk, 1, D); index (B, Hk, 1, W) int32, the slot in
 its first column (W = 1 for triples, D for a dense fold's broadcast victim);
 stored triples (B, Hk, cap, D * bits / 32) uint32 and (B, Hk, cap, D / gs)
 scales / biases of the keys' dtype, or one packed (B, Hk, cap, row_words)
-uint32 buffer; dense buffers (B, Hk, cap, D).
+uint32 buffer.
 """
 
 from functools import lru_cache
@@ -41,7 +40,6 @@ from .packed import row_words
 from .quantized_reference import BITS, GROUP_SIZES
 
 NT = 256
-CHUNK = 8  # dense copy: elements per thread
 
 KV_HEADER = r"""
 #if defined(__METAL_VERSION__)
@@ -159,69 +157,43 @@ DENSE_OUT = r"""
   }
 """
 
-# One thread per (row, slot, CHUNK elements) of K (blk_y 0) or V (blk_y 1).
-DENSE_BODY = Template(r"""
-$IDS
-  constexpr int CPR = D / $CHUNK;  // chunks per row
-  const i64 cap = k_shape[2];
-  const i64 gid = (i64)blk_x * $NT + tid;
-  if (gid >= (i64)k_shape[0] * k_shape[1] * cap * CPR) return;
-  const int c = (int)(gid % CPR);
-  const i64 rs = gid / CPR;  // row * cap + slot
-  const i64 r = rs / cap;
-  const bool is_v = blk_y == 1;
-  auto dst = (is_v ? v_out : k_out) + rs * D + c * $CHUNK;
-  auto src = (rs % cap) == (i64)idx[r * IDXW]
-      ? (is_v ? vn : kn) + r * D + c * $CHUNK
-      : (is_v ? v : k) + rs * D + c * $CHUNK;
-  H2O_UNROLL
-  for (int e = 0; e < $CHUNK; ++e) dst[e] = src[e];
-""")
-
-
-def names(quantized: bool, dense_out: bool = True, packed: bool = False):
+def names(dense_out: bool = True, packed: bool = False):
     """Input and output names of the write kernel (``packed``: one buffer for
     the quantized K and V, kernels/packed.py)."""
-    if not quantized:
-        return ["kn", "vn", "idx", "k", "v"], ["k_out", "v_out"]
     stored = ["kv"] if packed else ["kw", "ks", "kb", "vw", "vs", "vb"]
     outputs = [f"{t}_out" for t in stored] + (["kd", "vd"] if dense_out else [])
     return ["kn", "vn", "idx", *stored], outputs
 
 
-def source(backend: str, quantized: bool, dense_out: bool = True, packed: bool = False):
+def source(backend: str, dense_out: bool = True, packed: bool = False):
     """(header, body) of the write kernel."""
     header, ids = _prelude(backend)
-    if quantized:
-        body = QUANT_BODY.substitute(
-            IDS=ids, NT=NT, DENSE=DENSE_OUT if dense_out else "",
-            FIRST="kv" if packed else "kw", ROWS=PACKED_ROWS if packed else TRIPLE_ROWS)
-    else:
-        body = DENSE_BODY.substitute(IDS=ids, NT=NT, CHUNK=CHUNK)
+    body = QUANT_BODY.substitute(
+        IDS=ids, NT=NT, DENSE=DENSE_OUT if dense_out else "",
+        FIRST="kv" if packed else "kw", ROWS=PACKED_ROWS if packed else TRIPLE_ROWS)
     return header + KV_HEADER, body
 
 
 @lru_cache(maxsize=None)
-def _make_write_kernel(quantized: bool, dense_out: bool = True, packed: bool = False):
+def _make_write_kernel(dense_out: bool = True, packed: bool = False):
     """The write kernel, or None without a GPU backend. Inputs are made
     row-contiguous (they are indexed flat; cache buffers already are)."""
     backend = gpu_backend()
     if backend is None:
         return None
-    kind = f"{'p' if packed else 'q'}{int(dense_out)}" if quantized else "d"
-    return _built_once(backend, f"h2o_kvwrite_{kind}", names(quantized, dense_out, packed),
-                       *source(backend, quantized, dense_out, packed))
+    kind = f"{'p' if packed else 'q'}{int(dense_out)}"
+    return _built_once(backend, f"h2o_kvwrite_{kind}", names(dense_out, packed),
+                       *source(backend, dense_out, packed))
 
 
-def write_supported(keys: mx.array, values: mx.array, index: mx.array,
-                    bits: Optional[int] = None, group_size: int = 64) -> bool:
-    """Whether the write kernel runs here for these shapes (``bits``: triples)."""
+def write_supported(keys: mx.array, values: mx.array, index: mx.array, bits: int,
+                    group_size: int = 64) -> bool:
+    """Whether the write kernel runs here for these shapes."""
     B, Hk, L, D = keys.shape
-    quant_ok = bits is None or (bits in BITS and group_size in GROUP_SIZES
-                                and D % group_size == 0)
     return (runs_on_gpu() and L == 1
             and keys.dtype in DTYPES and values.dtype == keys.dtype
-            and values.shape == keys.shape and D % CHUNK == 0 and quant_ok
+            and values.shape == keys.shape
+            and bits in BITS and group_size in GROUP_SIZES and D % group_size == 0
             and index.shape[:3] == (B, Hk, 1) and index.dtype == mx.int32)
 
 
@@ -235,13 +207,11 @@ class QuantizedWrite(NamedTuple):
 class WritePlan:
     """The write for fixed settings; calls replay a recorded launch (host time)."""
 
-    def __init__(self, dtype, D, bits=None, group_size=64, dense_out=True, packed=False):
-        self.quantized, self.dense_out, self.bits = bits is not None, dense_out, bits
-        self.kernel = _make_write_kernel(self.quantized, dense_out, packed)
+    def __init__(self, dtype, D, bits, group_size=64, dense_out=True, packed=False):
+        self.dense_out, self.bits = dense_out, bits
+        self.kernel = _make_write_kernel(dense_out, packed)
         self.dtype, self.D = dtype, D
-        self.template = [("T", dtype), ("D", D)]
-        if self.quantized:
-            self.template += [("BITS", bits), ("GS", group_size)]
+        self.template = [("T", dtype), ("D", D), ("BITS", bits), ("GS", group_size)]
         self._steady = native.Replay(self._launch)
 
     def __call__(self, *arrays):
@@ -250,25 +220,22 @@ class WritePlan:
     def _launch(self, kn, vn, idx, *stored, poison=None):
         """One launch (``poison``, tests: what an unwritten output element reads)."""
         B, Hk, cap = stored[0].shape[:3]
-        per_row = self.D * self.bits // 32 if self.quantized else self.D // CHUNK  # threads
+        per_row = self.D * self.bits // 32  # threads: one per code word
         threads = -(-B * Hk * cap * per_row // NT) * NT
         template = self.template + [("IDXW", idx.shape[-1])]
-        if self.quantized:
-            shapes = [a.shape for a in stored]
-            dtypes = [a.dtype for a in stored]
-            if self.dense_out:
-                shapes += [(B, Hk, cap, self.D)] * 2
-                dtypes += [self.dtype] * 2
-        else:
-            shapes, dtypes = [a.shape for a in stored], [self.dtype] * 2
+        shapes = [a.shape for a in stored]
+        dtypes = [a.dtype for a in stored]
+        if self.dense_out:
+            shapes += [(B, Hk, cap, self.D)] * 2
+            dtypes += [self.dtype] * 2
         return self.kernel(inputs=[kn, vn, idx, *stored], template=template,
                            grid=(threads, 2, 1), threadgroup=(NT, 1, 1),
                            output_shapes=shapes, output_dtypes=dtypes, init_value=poison)
 
 
 @lru_cache(maxsize=32)
-def write_plan(dtype, D, bits=None, group_size=64, dense_out=True, packed=False) -> WritePlan:
-    return WritePlan(dtype, D, bits, group_size, dense_out, packed and bits is not None)
+def write_plan(dtype, D, bits, group_size=64, dense_out=True, packed=False) -> WritePlan:
+    return WritePlan(dtype, D, bits, group_size, dense_out, packed)
 
 
 def _check(keys, values, index, bits, group_size):
@@ -306,10 +273,3 @@ def packed_write(keys, values, index, stored, *, bits: int, group_size: int,
     plan = write_plan(keys.dtype, D, bits, group_size, dense_out, True)
     res = plan(keys, values, index, stored)
     return tuple(res) if dense_out else res[0]
-
-
-def dense_write(keys, values, index, stored_keys, stored_values):
-    """(keys, values) buffers with one token per row written into slot ``index``."""
-    _check(keys, values, index, None, 64)
-    plan = write_plan(keys.dtype, keys.shape[3])
-    return tuple(plan(keys, values, index, stored_keys, stored_values))
