@@ -3,7 +3,8 @@
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, Optional, Tuple
 
-SCORE_MODES = ("ema", "accumulated", "normalized", "attention_ema")
+from .scores import SCORE_MODES
+
 PREFILL_COMPACT = ("chunk", "prompt")
 
 
@@ -22,16 +23,10 @@ class H2OConfig:
     Every field is checked here: a wrong type raises TypeError, a bad value
     ValueError, each naming the field and the fix.
 
-    Score modes (one score per KV head, mean over the query heads of its group):
-      - ``"ema"``: EMA of |logit| over decode steps (the H2O-in-MLX paper),
-        ``s = alpha * s + (1 - alpha) * mean_q |logit|``; first sight sets s.
-      - ``"accumulated"``: sum of softmax attention over all queries (original
-        H2O, Zhang et al. 2023).
-      - ``"normalized"``: accumulated attention divided by the number of
-        queries that could see the key (removes the age bias of the sum).
-      - ``"attention_ema"``: EMA of softmax attention (``ema`` with the
-        probability in place of |logit|: a large negative logit is no reason
-        to keep a key).
+    ``score`` names a score mode of ``mlx_h2o.scores.SCORES`` (``SCORE_MODES``;
+    one score per KV head, mean over the query heads of its group); each entry
+    states its fold, its ranking and the paper it comes from. ``ema_alpha`` is
+    the EMA modes' alpha.
 
     ``prefill_window`` > 0 scores a chunk of L > 1 tokens (a prompt) that
     overflows the budget with its last ``prefill_window`` queries only

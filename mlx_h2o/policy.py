@@ -13,6 +13,8 @@ from typing import Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
+from .scores import score_mode
+
 
 def fold_scores(
     mode: str,
@@ -34,7 +36,9 @@ def fold_scores(
     last ``window`` queries of the call. ``pool`` > 1 (with ``positions``, the
     slots' token positions) max-pools the call's contribution over keys within
     ``pool // 2`` positions, for calls of L > 1 queries (prompt chunks).
+    ``mode`` names a ``scores.SCORES`` entry: its fold and magnitude apply.
     """
+    spec = score_mode(mode)
     L = logits.shape[2]
     if 0 < window < L:
         logits, lse = logits[:, :, -window:], lse[:, :, -window:]
@@ -43,16 +47,14 @@ def fold_scores(
     lg = logits.reshape(B, Hk, Hq // Hk, Lw, N)
     visible = lg[:, :, 0] > -mx.inf  # (B, Hk, Lw, N)
     seen = visible.astype(mx.float32).sum(axis=2)  # (B, Hk, N)
-    if mode == "ema":
+    if spec.magnitude == "abs_logit":
         mag = mx.where(visible[:, :, None], mx.abs(lg), 0.0)
-    elif mode in ("attention_ema", "accumulated", "normalized"):
+    else:  # probability
         mag = mx.exp(lg - lse.reshape(B, Hk, Hq // Hk, Lw, 1))
-    else:
-        raise ValueError(f"unknown score mode {mode!r}")
     step = mag.mean(axis=2).sum(axis=2)  # (B, Hk, N)
     if pool > 1 and L > 1 and positions is not None:
         step = pool_neighbours(step, positions, pool // 2)
-    if mode in ("ema", "attention_ema"):
+    if spec.fold == "ema":
         step = step / mx.maximum(seen, 1.0)
         ema = mx.where(count > 0, alpha * score + (1.0 - alpha) * step, step)
         score = mx.where(seen > 0, ema, score)
@@ -83,8 +85,8 @@ def pool_neighbours(x: mx.array, positions: mx.array, radius: int) -> mx.array:
 
 
 def eviction_score(mode: str, score: mx.array, count: mx.array) -> mx.array:
-    """The number that ranks tokens: higher is kept."""
-    if mode == "normalized":
+    """The number that ranks tokens (``mode``'s rank): higher is kept."""
+    if score_mode(mode).rank == "per_query":
         return score / mx.maximum(count, 1.0)
     return score
 

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from mlx_h2o import H2OConfig, H2OKVCache
 from mlx_h2o.cache import load_prompt_cache, save_prompt_cache
+from mlx_h2o.scores import SCORE_MODES
 
 D, HQ, HK = 8, 4, 2
 
@@ -46,7 +47,7 @@ def check_kept(cache, seen, cfg):
 configs = st.builds(
     lambda m, s, h, mode: H2OConfig(max_size=m, sink_size=min(s, m - 2), heavy_budget=min(h, m - min(s, m - 2) - 1), score=mode),
     st.integers(3, 24), st.integers(0, 4), st.integers(0, 12),
-    st.sampled_from(["ema", "accumulated", "normalized"]),
+    st.sampled_from(SCORE_MODES),
 )
 chunks = st.lists(st.one_of(st.just(1), st.integers(1, 30)), min_size=1, max_size=40)
 

@@ -7,6 +7,7 @@ from tiny_models import VOCAB, tiny_llama
 from mlx_h2o import H2OConfig, policy
 from mlx_h2o.eval import ppl
 from mlx_h2o.eval.strategies import parse_strategy
+from mlx_h2o.scores import SCORE_MODES
 
 
 def _attention(B=2, Hq=4, Hk=2, L=6, N=9, seed=0):
@@ -19,7 +20,7 @@ def _attention(B=2, Hq=4, Hk=2, L=6, N=9, seed=0):
 def test_window_folds_only_the_last_queries():
     logits, lse = _attention()
     zero = mx.zeros((2, 2, 9))
-    for mode in ("accumulated", "normalized", "ema", "attention_ema"):
+    for mode in SCORE_MODES:
         got = policy.fold_scores(mode, zero, zero, logits, lse, 0.9, window=2)
         want = policy.fold_scores(mode, zero, zero, logits[:, :, -2:], lse[:, :, -2:])
         for g, w in zip(got, want):

@@ -12,6 +12,7 @@ import mlx_h2o
 from mlx_h2o import H2OConfig, H2OKVCache, make_h2o_cache
 from mlx_h2o.cache import QuantConfig, quantized_cache_type
 from mlx_h2o.config import config_from_dict, config_to_dict, with_max_size
+from mlx_h2o.scores import SCORE_MODES
 
 from test_cache import check_kept
 from tiny_models import VOCAB, tiny_llama, tiny_qwen3
@@ -103,7 +104,7 @@ configs = st.builds(
         max_size=m, sink_size=s, heavy_budget=min(h, m - s - 1), score=mode,
         evict_batch=max(1, min(k, h, m - s - 1))),
     st.integers(8, 24), st.integers(0, 3), st.integers(1, 12), st.integers(2, 8),
-    st.sampled_from(["ema", "accumulated", "normalized"]),
+    st.sampled_from(SCORE_MODES),
 )
 
 

@@ -17,6 +17,7 @@ from mlx_h2o import H2OConfig, H2OKVCache, policy
 from mlx_h2o.cache.storage import put_slot
 from mlx_h2o.kernels import H2OFold, H2OStep
 from mlx_h2o.kernels.reference import scaled_dot_product_attention_with_scores
+from mlx_h2o.scores import SCORE_MODES
 
 D, HQ, HK = 8, 4, 2
 
@@ -110,7 +111,7 @@ def drive(cache, lengths, seed, trim_at=None, dim=D):
     return outs
 
 
-@pytest.mark.parametrize("mode", ["ema", "accumulated", "normalized"])
+@pytest.mark.parametrize("mode", SCORE_MODES)
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("trim_at", [None, 30])
 def test_fused_path_matches_op_by_op_path(emulated_kernel, mode, window, trim_at):
@@ -167,7 +168,7 @@ def emulated_fold_kernel(monkeypatch):
     monkeypatch.setattr(steps_module, "h2o_fold_step", emulated_fold)
 
 
-@pytest.mark.parametrize("mode", ["ema", "accumulated", "normalized"])
+@pytest.mark.parametrize("mode", SCORE_MODES)
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("kind", ["dense", "q8"])
 def test_fold_step_path_matches_op_by_op_path(emulated_fold_kernel, mode, window, kind):

@@ -18,6 +18,7 @@ from mlx_h2o.kernels import build, source
 from mlx_h2o.kernels.packed import pack
 from mlx_h2o.kernels.quantized_reference import dequantize
 from mlx_h2o.kernels.group_fold import group_fold, group_fold_supported, layer_params
+from mlx_h2o.scores import SCORE_MODES
 
 needs_gpu = pytest.mark.skipif(build.gpu_backend() is None,
                                reason="needs MLX with Metal or CUDA")
@@ -50,7 +51,7 @@ def layer_state(rng, B, Hk, cap, n, M, offset):
 
 
 @needs_gpu
-@pytest.mark.parametrize("mode", ["accumulated", "normalized", "ema", "attention_ema"])
+@pytest.mark.parametrize("mode", SCORE_MODES)
 @pytest.mark.parametrize("dtype,D,Hq,Hk", [(mx.float16, 128, 32, 8), (mx.bfloat16, 64, 8, 8),
                                            (mx.float32, 256, 16, 2)])
 def test_group_fold_matches_reference(mode, dtype, D, Hq, Hk):

@@ -18,6 +18,7 @@ from mlx_h2o.cache import (
     ops_step,
 )
 from mlx_h2o.cache import quantized as quantized_module
+from mlx_h2o.scores import SCORE_MODES
 
 # On a GPU machine the op-by-op side would take the fused kernel step (which
 # carries a victim too): both sides run on the CPU device.
@@ -64,7 +65,7 @@ def same_over_stream(caches, seed, dim=D):
     return taken
 
 
-@pytest.mark.parametrize("mode", ["ema", "attention_ema", "accumulated", "normalized"])
+@pytest.mark.parametrize("mode", SCORE_MODES)
 @pytest.mark.parametrize("window", [None, 17, 40])
 def test_compiled_step_equals_op_by_op(mode, window):
     cfg = H2OConfig(max_size=24, sink_size=2, heavy_budget=9, score=mode, pinned=((5, 7),))
@@ -73,7 +74,7 @@ def test_compiled_step_equals_op_by_op(mode, window):
     assert taken >= 50 and caches[0].evicted > 50  # most decode steps evicted
 
 
-@pytest.mark.parametrize("mode", ["ema", "accumulated", "normalized"])
+@pytest.mark.parametrize("mode", SCORE_MODES)
 @pytest.mark.parametrize("window", [None, 17])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_compiled_quantized_step_equals_op_by_op(mode, window, bits):
@@ -90,7 +91,7 @@ def test_compiled_quantized_step_equals_op_by_op(mode, window, bits):
     assert caches[0]._victim.shape == (2, HK, 1, 1)  # what the triples' scatters take
 
 
-@pytest.mark.parametrize("mode", ["ema", "accumulated", "normalized"])
+@pytest.mark.parametrize("mode", SCORE_MODES)
 @pytest.mark.parametrize("window", [None, 17])
 def test_compiled_mixed_steps_equal_op_by_op(monkeypatch, mode, window):
     """A full mixed-precision cache's eviction (a token moves between zones)

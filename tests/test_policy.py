@@ -6,6 +6,7 @@ import pytest
 
 from mlx_h2o import policy
 from mlx_h2o.config import H2OConfig, config_from_dict, config_to_dict
+from mlx_h2o.scores import SCORE_MODES, SCORES
 
 
 def _logits(B, Hq, L, N, rng, mask_p=0.3):
@@ -18,8 +19,9 @@ def _logits(B, Hq, L, N, rng, mask_p=0.3):
     return lg, lse, mask
 
 
-@pytest.mark.parametrize("mode", ["ema", "accumulated", "normalized"])
+@pytest.mark.parametrize("mode", SCORE_MODES)
 def test_fold_scores_matches_numpy(mode):
+    spec = SCORES[mode]
     rng = np.random.default_rng()
     B, Hq, Hk, L, N = 2, 6, 2, 5, 11
     lg, lse, mask = _logits(B, Hq, L, N, rng)
@@ -31,18 +33,21 @@ def test_fold_scores_matches_numpy(mode):
     G = Hq // Hk
     vis = mask.reshape(B, Hk, G, L, N)[:, :, 0]
     seen = vis.sum(axis=2)
-    if mode == "ema":
-        mag = np.where(mask, np.abs(lg), 0).reshape(B, Hk, G, L, N).mean(2).sum(2)
-        step = mag / np.maximum(seen, 1)
+    if spec.magnitude == "abs_logit":
+        mag = np.where(mask, np.abs(lg), 0)
+    else:  # probability
+        mag = np.exp(lg - lse[..., None])
+    step = mag.reshape(B, Hk, G, L, N).mean(2).sum(2)
+    if spec.fold == "ema":
+        step = step / np.maximum(seen, 1)
         ema = np.where(count > 0, 0.9 * score + 0.1 * step, step)
         want = np.where(seen > 0, ema, score)
-    else:
-        probs = np.exp(lg - lse[..., None]).reshape(B, Hk, G, L, N)
-        want = score + probs.mean(2).sum(2)
+    else:  # sum
+        want = score + step
     np.testing.assert_allclose(np.array(s), want, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.array(c), count + seen)
     ev = np.array(policy.eviction_score(mode, s, c))
-    expect = want / np.maximum(count + seen, 1) if mode == "normalized" else want
+    expect = want / np.maximum(count + seen, 1) if spec.rank == "per_query" else want
     np.testing.assert_allclose(ev, expect, rtol=1e-5, atol=1e-6)
 
 

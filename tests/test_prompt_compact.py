@@ -22,6 +22,9 @@ from mlx_h2o.cache.group import link_layers
 from mlx_h2o.cli.generate import h2o_config_from_args, setup_arg_parser
 from mlx_h2o.config import config_from_dict, config_to_dict
 from mlx_h2o.eval.strategies import parse_strategy
+from mlx_h2o.scores import SCORE_MODES, SCORES
+
+SUMMED = [n for n, m in SCORES.items() if m.fold == "sum"]  # chunks add up
 
 CFG = dict(max_size=16, sink_size=2, heavy_budget=6)
 
@@ -50,7 +53,7 @@ def check_compacted(cache, seen, cfg):
         assert len(set(row.tolist())) == len(row) and visible <= set(row.tolist())
 
 
-@pytest.mark.parametrize("score", ["accumulated", "normalized", "ema", "attention_ema"])
+@pytest.mark.parametrize("score", SCORE_MODES)
 @pytest.mark.parametrize("window", [None, 9])
 def test_grows_through_the_prompt_then_compacts_at_first_decode(score, window):
     cfg = prompt_cfg(score=score, prefill_window=4, prefill_pool=3)
@@ -136,7 +139,7 @@ def test_short_last_chunk_adds_to_the_previous_window():
     assert score[1] > 3.9 and score[3] > 1.9  # 4 + 2 queries
 
 
-@pytest.mark.parametrize("score", ["accumulated", "normalized", "ema"])
+@pytest.mark.parametrize("score", SCORE_MODES)
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("stream", [[25] + [1] * 8, [6, 1, 1, 23, 1, 1, 30, 1, 1, 14, 1]])
 def test_single_chunk_prompts_match_chunk_mode(score, window, stream):
@@ -152,7 +155,7 @@ def test_single_chunk_prompts_match_chunk_mode(score, window, stream):
     assert caches[0].evicted == caches[1].evicted
 
 
-@pytest.mark.parametrize("score", ["accumulated", "normalized"])
+@pytest.mark.parametrize("score", SUMMED)
 def test_chunked_prompt_keeps_what_one_chunk_keeps(score):
     """Under "prompt", 40 tokens in chunks of 16 / 16 / 8 keep the same tokens
     as the 40 tokens in one chunk (either mode): the last window decides."""

@@ -18,6 +18,7 @@ from mlx_h2o.cache.deferred import QueuedQuery, batch_fold
 from mlx_h2o.kernels import build, queued, source
 from mlx_h2o.kernels.queued import queue_fold, queue_fold_supported
 from mlx_h2o.kernels.testing import queue_fold_ref64, to_np
+from mlx_h2o.scores import DEFERRABLE
 
 needs_gpu = pytest.mark.skipif(build.gpu_backend() is None,
                                reason="needs MLX with Metal or CUDA")
@@ -128,7 +129,7 @@ def test_cache_keeps_the_ops_fold_when_a_queue_has_too_many_rows():
 
 
 @needs_gpu
-@pytest.mark.parametrize("mode", ["accumulated", "normalized"])
+@pytest.mark.parametrize("mode", DEFERRABLE)
 def test_cache_kernel_fold_equals_ops_fold(mode):
     """Kernel and ops folds over 300 decode steps, then eviction: same kept
     positions, scores equal up to float summation order."""

@@ -11,6 +11,7 @@ import pytest
 from mlx_h2o import H2OConfig, H2OKVCache
 from mlx_h2o.cache import MixedPrecisionH2OKVCache, QuantConfig, QuantizedH2OKVCache
 from mlx_h2o.cache import h2o as h2o_module
+from mlx_h2o.scores import SCORE_MODES
 
 D, HQ, HK = 8, 4, 2
 # Storage kinds whose overflowing chunks are scored by their window, and
@@ -51,7 +52,7 @@ def assert_same_state(a, b):
                                    rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["accumulated", "normalized", "ema"])
+@pytest.mark.parametrize("mode", SCORE_MODES)
 @pytest.mark.parametrize("compact", ["chunk", "prompt"])
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_window_scoring_matches_full_rows(mode, compact, kind):

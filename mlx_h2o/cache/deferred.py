@@ -15,11 +15,10 @@ from typing import List, NamedTuple, Optional, Tuple
 import mlx.core as mx
 
 from ..kernels import queue_fold, queue_fold_supported
+from ..scores import DEFERRABLE  # modes whose fold is a plain sum over queries
 from . import first_use
 from .storage import DenseKV
 
-# Score modes whose fold is a plain sum over queries (EMA modes are not).
-DEFERRABLE = ("accumulated", "normalized")
 QUEUE_FOLD = "queue fold"  # its kernel's family for the Metal first-use check
 # float32 logits of one batched fold at most (64 MiB); longer caches fold sooner.
 MAX_LOGITS = 1 << 24

@@ -14,7 +14,8 @@ prompt cache:
 Any name takes overrides after a colon, ``name:key=value,key=value``: ``heavy``
 (a fraction of max_kv when < 1, else tokens), ``sink``, and any ``H2OConfig``
 field (``score=normalized``, ``ema_alpha=0.9``, ...). Score-mode shorthands:
-``h2o-heavy-acc``, ``h2o-heavy-norm``, ``h2o-heavy-ema`` (any split).
+a mode's ``short`` name (mlx_h2o/scores.py) as a suffix, e.g. ``h2o-heavy-acc``,
+``h2o-heavy-norm`` (any split).
 ``layer_budget`` shares the budget between layers as ``make_h2o_cache`` does:
 ``auto`` (the default: the shipped layer profile of a packaged model, else
 uniform), ``uniform`` (max_kv in every layer: the results before per-layer
@@ -40,11 +41,12 @@ from ..cache import QuantConfig, quantized_cache_type
 from ..config import H2OConfig, config_to_dict
 from ..integration.factory import attention_windows, make_h2o_cache, resolve_layer_profile
 from ..profiles import LayerProfile
+from ..scores import SCORES
 
 SPLITS = {"recent": 1 / 8, "balanced": 1 / 4, "heavy": 1 / 2}
 STATISTICS = ("entropy", "topk", "invtopk")  # keys of calibrate.WEIGHTS
 LAYER_BUDGETS = ("auto", "uniform") + STATISTICS  # or a profile file (.json)
-SCORE_SHORT = {"acc": "accumulated", "norm": "normalized", "ema": "ema"}
+SCORE_SHORT = {m.short: m.name for m in SCORES.values()}  # h2o-heavy-acc: accumulated
 DEFAULT_STRATEGIES = ("baseline", "rotating", "h2o-recent", "h2o-balanced", "h2o-heavy")
 _CONFIG_FIELDS = {f.name: f.type for f in dataclasses.fields(H2OConfig)}
 _OWN_OPTIONS = ("sink", "heavy", "layer_budget", "kv_bits", "kv_group_size", "kv_mixed")

@@ -7,13 +7,20 @@ from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
+from ..scores import SCORES, score_mode
 from . import cubin
 from . import source as src
 from . import source_mma
 
 MASK_KINDS = ("none", "causal", "bool", "add")
-# Index = the kernels' MODE constant; names as in mlx_h2o.config.SCORE_MODES.
-SCORE_MODES = ("ema", "accumulated", "normalized", "attention_ema")
+# Score modes by the kernels' MODE constant (an entry's kernel_id; Swift's
+# KernelConstants.scoreModes indexes the same way).
+SCORE_MODES = tuple(m.name for m in sorted(SCORES.values(), key=lambda m: m.kernel_id))
+
+
+def mode_id(mode: str) -> int:
+    """The kernels' MODE constant of score mode ``mode`` (ValueError if unknown)."""
+    return score_mode(mode).kernel_id
 
 # Entries of a Metal kernel's buffer argument table: MLX's metal_kernel binds
 # each input, each of its _shape / _strides / _ndim the body names, and each

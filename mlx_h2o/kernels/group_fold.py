@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from .. import native
 from . import cubin
-from .build import SCORE_MODES, _make_group_kernel, gpu_backend
+from .build import _make_group_kernel, gpu_backend, mode_id
 from .decode import DTYPES, NT
 from .h2o_step import _pins, params_row
 from .quantized_reference import BITS
@@ -78,7 +78,7 @@ class GroupPlan:
         # Victims repeat along D for dense writes; packed ones take (B, Hk, 1, 1).
         self.VD = 1 if quantized else D
         self.template = [("T", dtype), ("D", D), ("G", Hq // Hk), ("HK", Hk), ("NB", B),
-                         ("MODE", SCORE_MODES.index(mode)), ("VD", self.VD)]
+                         ("MODE", mode_id(mode)), ("VD", self.VD)]
         if quantized:
             self.template += [("BITS", bits), ("GS", group_size)]
         self.pins = _pins(pinned)
@@ -108,8 +108,7 @@ class GroupPlan:
 
 @lru_cache(maxsize=16)
 def group_plan(n, B, Hq, Hk, D, dtype, M, mode, pinned, bits=None, group_size=64) -> GroupPlan:
-    if mode not in SCORE_MODES:
-        raise ValueError(f"unknown score mode {mode!r}; use one of {SCORE_MODES}")
+    mode_id(mode)  # ValueError if unknown
     return GroupPlan(n, B, Hq, Hk, D, dtype, M, mode, pinned, bits, group_size)
 
 

@@ -6,8 +6,8 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .build import (
-    SCORE_MODES, _make_fold_kernel, _make_pass1_kernel, _make_pass1_precompiled,
-    _make_pass2_kernel, _make_pass2_precompiled,
+    _make_fold_kernel, _make_pass1_kernel, _make_pass1_precompiled, _make_pass2_kernel,
+    _make_pass2_precompiled, mode_id,
 )
 from .build import device_backend, gpu_backend
 from .. import native
@@ -56,8 +56,7 @@ def step_params(offset, append_slot, tail, valid) -> mx.array:
 
 
 def _check_step_args(mode, slot, append_slot):
-    if mode not in SCORE_MODES:
-        raise ValueError(f"unknown score mode {mode!r}; use one of {SCORE_MODES}")
+    mode_id(mode)  # ValueError if unknown
     if (slot is None) == (append_slot is None):
         raise ValueError("pass exactly one of slot and append_slot")
 
@@ -92,7 +91,7 @@ class StepPlan:
         lay = layout(D, dtype.size, G, 1, cfg.keys_per_lane_group, tpk)
         self.shape = (B, Hq, Hk, D, G)
         self.lay, self.units, self.kind, self.has_sinks = lay, B * Hk * lay.RT, kind, has_sinks
-        mode_i = SCORE_MODES.index(mode)
+        mode_i = mode_id(mode)
         self.tmpl1 = lay.template(dtype, D, 1, G, Hk) + [("MH", mh), ("MODE", mode_i)]
         self.tmpl2 = lay.template(dtype, D, 1, G, Hk) + [("MODE", mode_i)]
         self.prm = params_f(float(scale), float(alpha))
@@ -194,8 +193,7 @@ class StepPlan:
 def step_plan(B, Hq, Hk, D, dtype, cap, kind, mh, mode, alpha, scale, sink_size,
               recent_budget, pinned, window_size, has_sinks) -> StepPlan:
     """The StepPlan for these static parameters (built once, then shared)."""
-    if mode not in SCORE_MODES:
-        raise ValueError(f"unknown score mode {mode!r}; use one of {SCORE_MODES}")
+    mode_id(mode)  # ValueError if unknown
     return StepPlan(B, Hq, Hk, D, dtype, cap, kind, mh, mode, alpha, scale, sink_size,
                     recent_budget, pinned, window_size, has_sinks)
 
@@ -325,7 +323,7 @@ def h2o_fold_step(
     pos, sc, cn, victim = _make_fold_kernel()(
         inputs=[logits, lse, positions, score, count, _no_slot() if slot is None else slot,
                 prm_i, params_f(1.0, float(alpha)), _pins(tuple(tuple(p) for p in pinned))],
-        template=[("G", Hq // Hk), ("HK", Hk), ("D", 1), ("MODE", SCORE_MODES.index(mode))],
+        template=[("G", Hq // Hk), ("HK", Hk), ("D", 1), ("MODE", mode_id(mode))],
         grid=(B * Hk * NT, 1, 1), threadgroup=(NT, 1, 1),
         output_shapes=[(B, Hk, cap)] * 3 + [(B, Hk, 1, 1)],
         output_dtypes=[i32, f32, f32, i32],

@@ -14,8 +14,8 @@ Template constants (set per call): T dtype; D head dim; R rows per block;
 L queries per head; G query heads per KV head; HK KV heads; TPK lanes per
 key row (32, 16 or 8: a warp reads 32 / TPK rows at once); EPL elements per lane;
 U key rows per lane group iteration; MH mask head mode (0 broadcast, 1 per
-query head, 2 per KV head); MODE score mode (0 ema,
-1 accumulated, 2 normalized, 3 attention_ema). Blocks have NT = 128 threads.
+query head, 2 per KV head); MODE score mode (a ``kernel_id`` of
+mlx_h2o/scores.py; FOLD branches on it). Blocks have NT = 128 threads.
 """
 
 NT = 128

@@ -1,0 +1,99 @@
+"""Score modes: how a slot's score folds each attention call and ranks it.
+
+One entry per mode; everything else reads it: ``H2OConfig.score`` takes its
+names (``SCORE_MODES``), ``policy.fold_scores`` / ``eviction_score`` its fold
+and rank, the kernels its ``kernel_id`` (their ``MODE`` template constant,
+``kernels/source.py``'s ``FOLD``), the deferred queue fold its ``deferrable``
+modes and the evaluation's strategy names its ``short`` names. A new mode is
+one entry here; a new (fold, magnitude, rank) combination also needs its branch
+in ``policy.fold_scores`` and in the kernels' ``FOLD``.
+
+Every mode keeps one score per (sequence, KV head, slot): the query heads of a
+GQA group are averaged, and ``count`` is the number of queries that could see
+the key. Stdlib only: the kernels read it too.
+"""
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping, Tuple
+
+FOLDS = ("sum", "ema")  # s += step | s = alpha * s + (1 - alpha) * mean step
+MAGNITUDES = ("probability", "abs_logit")  # softmax attention | |logit| of visible keys
+RANKS = ("score", "per_query")  # s | s / max(count, 1)
+
+
+@dataclass(frozen=True)
+class ScoreMode:
+    """A score mode: its fold over attention calls and its eviction ranking.
+
+    ``fold`` "sum" adds each call's magnitude, summed over its queries;
+    "ema" folds each call's mean over the queries that saw the key into an
+    EMA (``alpha``: ``H2OConfig.ema_alpha``; the first sight sets it).
+    ``magnitude`` is what a query contributes to a key. ``rank`` is the
+    number eviction compares: the score, or the score per query that saw the
+    key. ``kernel_id``: the kernels' ``MODE`` constant. ``deferrable``: the
+    fold is a plain sum of probabilities over queries, so the batched queue
+    fold (``cache/deferred.py``, ``kernels/queued.py``) may fold it.
+    """
+
+    name: str
+    short: str  # strategy-name suffix of the evaluation (``h2o-heavy-<short>``)
+    fold: str
+    magnitude: str
+    rank: str
+    kernel_id: int
+    deferrable: bool
+    description: str  # the paper it comes from and its exact normalisation
+
+    def __post_init__(self):
+        for field, value, choices in (("fold", self.fold, FOLDS),
+                                      ("magnitude", self.magnitude, MAGNITUDES),
+                                      ("rank", self.rank, RANKS)):
+            if value not in choices:
+                raise ValueError(f"score mode {self.name!r}: {field}={value!r}; "
+                                 f"use one of {choices}")
+        if not isinstance(self.kernel_id, int) or self.kernel_id < 0:
+            raise ValueError(f"score mode {self.name!r}: kernel_id must be an int >= 0")
+        if self.deferrable and (self.fold, self.magnitude) != ("sum", "probability"):
+            raise ValueError(f"score mode {self.name!r}: only a sum of probabilities is "
+                             "deferrable (the queue fold adds probabilities)")
+
+
+def _registry(*modes: ScoreMode) -> Mapping[str, ScoreMode]:
+    for attr in ("name", "short", "kernel_id"):
+        values = [getattr(m, attr) for m in modes]
+        if len(set(values)) != len(values):
+            raise ValueError(f"score modes share a {attr}: {values}")
+    return MappingProxyType({m.name: m for m in modes})
+
+
+SCORES: Mapping[str, ScoreMode] = _registry(
+    ScoreMode(
+        "ema", "ema", "ema", "abs_logit", "score", kernel_id=0, deferrable=False,
+        description="H2O-in-MLX paper: s = alpha * s + (1 - alpha) * mean over the "
+        "call's visible queries of the group-mean |logit|; ranked by s."),
+    ScoreMode(
+        "accumulated", "acc", "sum", "probability", "score", kernel_id=1, deferrable=True,
+        description="H2O (Zhang et al. 2023): s = sum over all queries of the "
+        "group-mean softmax attention; ranked by s (older keys have more terms)."),
+    ScoreMode(
+        "normalized", "norm", "sum", "probability", "per_query", kernel_id=2,
+        deferrable=True,
+        description="H2O's accumulated attention (Zhang et al. 2023) per query that "
+        "could see the key: ranked by s / max(count, 1), no age bias."),
+    ScoreMode(
+        "attention_ema", "aema", "ema", "probability", "score", kernel_id=3,
+        deferrable=False,
+        description="The H2O-in-MLX paper's EMA with softmax attention for |logit| "
+        "(a strongly negative logit is no reason to keep a key); ranked by s."),
+)
+SCORE_MODES: Tuple[str, ...] = tuple(SCORES)
+DEFERRABLE: Tuple[str, ...] = tuple(n for n, m in SCORES.items() if m.deferrable)
+
+
+def score_mode(name: str) -> ScoreMode:
+    """The registry entry of ``name``; ValueError naming the modes if unknown."""
+    try:
+        return SCORES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown score mode {name!r}; use one of {SCORE_MODES}") from None

@@ -1,0 +1,110 @@
+"""The score-mode registry (mlx_h2o/scores.py) against every reader of it.
+
+Each reader derives its mode names from the registry; what cannot be derived
+(the kernels' FOLD branches, the Swift enum) is checked here against it, so a
+new entry fails these tests until the kernels and the Swift twin handle it.
+"""
+
+import dataclasses
+import os
+import re
+
+import pytest
+
+import mlx_h2o
+from mlx_h2o import config, policy, scores
+from mlx_h2o.kernels import build
+from mlx_h2o.kernels import source as src
+from mlx_h2o.scores import DEFERRABLE, SCORE_MODES, SCORES
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+SWIFT_CONFIG = os.path.join(ROOT, "swift", "Sources", "H2OCore", "H2OConfig.swift")
+
+
+def _mode_ids(pattern: str) -> set:
+    """The ids of a ``MODE == a || MODE == b`` condition of the kernels' FOLD."""
+    found = re.search(pattern, src.FOLD)
+    assert found, f"FOLD no longer has {pattern!r}: update this parse with the kernel"
+    cond = found.group(1).strip()
+    assert re.fullmatch(r"MODE == \d+( \|\| MODE == \d+)*", cond), cond
+    return {int(i) for i in re.findall(r"\d+", cond)}
+
+
+def kernel_fold(kernel_id: int) -> tuple:
+    """(fold, magnitude, rank) that FOLD computes for ``MODE == kernel_id``."""
+    ema = _mode_ids(r"if \(([^)]*)\) \{\s*// EMA")
+    abs_logit = _mode_ids(r"mag \+= ([^?]*)\?\s*\(vis \? H2O_FABS")  # inside the EMA branch
+    per_query = _mode_ids(r"const float es = ([^?]*)\? sc / H2O_FMAX\(cn")
+    if kernel_id in ema:
+        fold, magnitude = "ema", "abs_logit" if kernel_id in abs_logit else "probability"
+    else:
+        fold, magnitude = "sum", "probability"  # the sum branch adds probabilities
+    return fold, magnitude, "per_query" if kernel_id in per_query else "score"
+
+
+@pytest.mark.parametrize("mode", SCORE_MODES)
+def test_kernel_fold_handles_the_mode_as_the_registry_says(mode):
+    m = SCORES[mode]
+    assert kernel_fold(m.kernel_id) == (m.fold, m.magnitude, m.rank), (
+        f"kernels/source.py FOLD does not compute {mode!r} for MODE == {m.kernel_id}")
+
+
+def test_kernel_ids_index_the_kernels_mode_list():
+    # Swift's MetalH2OStep takes MODE as the index in KernelConstants.scoreModes.
+    assert sorted(m.kernel_id for m in SCORES.values()) == list(range(len(SCORES)))
+    assert [SCORES[n].kernel_id for n in build.SCORE_MODES] == list(range(len(SCORES)))
+    named = set().union(*(_mode_ids(p) for p in (
+        r"if \(([^)]*)\) \{\s*// EMA", r"const float es = ([^?]*)\? sc / H2O_FMAX\(cn")))
+    assert named <= {m.kernel_id for m in SCORES.values()}, "FOLD branches on an unknown id"
+
+
+@pytest.mark.parametrize("mode", SCORE_MODES)
+def test_only_sums_of_probabilities_are_deferrable(mode):
+    m = SCORES[mode]
+    assert (mode in DEFERRABLE) == m.deferrable
+    if m.deferrable:  # kernels/queued.py adds each query's probability
+        assert (m.fold, m.magnitude) == ("sum", "probability")
+    with pytest.raises(ValueError, match="deferrable"):
+        dataclasses.replace(m, fold="ema", deferrable=True)
+
+
+def test_entries_are_validated():
+    m = SCORES["accumulated"]
+    for bad in (dict(fold="mean"), dict(magnitude="logit"), dict(rank="count"),
+                dict(kernel_id=-1)):
+        with pytest.raises(ValueError, match="score mode 'accumulated'"):
+            dataclasses.replace(m, **bad)
+    with pytest.raises(ValueError, match="share a name"):
+        scores._registry(m, m)
+    with pytest.raises(ValueError, match="share a kernel_id"):
+        scores._registry(m, dataclasses.replace(m, name="x", short="x"))
+
+
+def test_every_reader_takes_the_registry_names():
+    assert config.SCORE_MODES is SCORE_MODES and mlx_h2o.SCORE_MODES is SCORE_MODES
+    assert set(build.SCORE_MODES) == set(SCORE_MODES)
+    for mode in SCORE_MODES:
+        assert config.H2OConfig(max_size=16, score=mode).score == mode
+    with pytest.raises(ValueError, match=re.escape(str(SCORE_MODES))):
+        config.H2OConfig(max_size=16, score="bogus")
+    with pytest.raises(ValueError, match=re.escape(str(SCORE_MODES))):
+        policy.eviction_score("bogus", None, None)
+
+
+@pytest.mark.parametrize("mode", SCORE_MODES)
+def test_short_name_is_a_strategy_suffix(mode):
+    from mlx_h2o.eval.strategies import parse_strategy
+
+    strategy = parse_strategy(f"h2o-heavy-{SCORES[mode].short}")
+    assert strategy.h2o_config(256).score == mode
+
+
+def test_swift_score_mode_enum_matches_the_registry():
+    """H2OCore's ScoreMode: its raw values are the registry's names, in order
+    (its error text lists allCases as Python lists SCORE_MODES)."""
+    with open(SWIFT_CONFIG) as f:
+        text = f.read()
+    body = re.search(r"public enum ScoreMode\b[^{]*\{(.*?)\n\s*public init", text, re.S)
+    assert body, "ScoreMode enum not found in H2OConfig.swift"
+    cases = re.findall(r'^\s*case (\w+)(?:\s*=\s*"([^"]*)")?\s*$', body.group(1), re.M)
+    assert tuple(raw or name for name, raw in cases) == SCORE_MODES
