@@ -221,7 +221,7 @@ def test_save_is_atomic_and_round_trips(tmp_path, monkeypatch):
 # --- calibrate command -------------------------------------------------------------
 
 
-def test_calibrate_writes_a_profile_atomically(tmp_path, monkeypatch):
+def test_calibrate_writes_a_profile_atomically(tmp_path, monkeypatch, capsys):
     from mlx_h2o.cli import calibrate as cli
 
     model = tiny_llama(num_hidden_layers=3)
@@ -243,8 +243,10 @@ def test_calibrate_writes_a_profile_atomically(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError):
         cli.main(["--model", "tiny-path", "--out", str(tmp_path / "t2.json")])
     assert sorted(f.name for f in tmp_path.iterdir()) == ["tiny.json"]
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(SystemExit) as e:  # one line naming --out, exit code 2
         cli.main(["--out", str(tmp_path / "no" / "dir.json")])
+    assert e.value.code == 2
+    assert "--out" in capsys.readouterr().err
 
 
 # --- caches built from a profile -------------------------------------------------------
