@@ -138,9 +138,6 @@ class DeferredScores:
     # writes per step while the cache fills.
     defer_scores = True
     defer_steps = 128
-    # Queue folds read n rounded up to config.step slots (fixed shapes); False
-    # reads exactly n (kept to compare the two in benchmarks).
-    fixed_fold_width = True
     # On a GPU, queue folds run kernels/queued.py: three launches that write
     # no logits (False: the ops fold, kept to compare the two in benchmarks).
     fold_queue_on_gpu = True
@@ -220,8 +217,6 @@ class DeferredScores:
         the fold's shapes repeat for up to ``step`` tokens instead of changing
         every token (H100, 16K context without eviction: 0.840 of KVCache's
         tok/s against 0.792 with folds of exactly ``n``; docs/GPU.md)."""
-        if not self.fixed_fold_width:
-            return n
         # After a prompt compaction the metadata can be shorter than the buffer.
         cap = min(self.kv.capacity, self._score.shape[-1])
         return min(cap, -(-n // self.config.step) * self.config.step)
