@@ -66,10 +66,13 @@ def batch_prefill(model, config, prompts, chunk):
 
 
 def batch_decode(model, batch, columns):
-    """Feed one token per row per step; ``columns``: (B, steps) tokens."""
+    """Feed one token per row per step; ``columns``: (B, steps) tokens. Each
+    step moves every row's offset on by one."""
     with mlx_h2o.patch():
         for t in range(len(columns[0])):
+            before = [c.offset.tolist() for c in batch]
             model(mx.array([[row[t]] for row in columns]), cache=batch)
+            assert all(c.offset.tolist() == [o + 1 for o in b] for c, b in zip(batch, before))
 
 
 def rows_held(batch, B):
@@ -139,6 +142,23 @@ def test_rows_hold_what_a_single_cache_holds(arch, name):
     for b, (p, d) in enumerate(zip(prompts, decode)):
         want = held(single_run(model, config, p, chunk, d))
         assert rows_held(batch, len(prompts))[b] == want, f"row {b}"
+
+
+def test_left_padded_rows_hold_what_a_single_cache_holds():
+    model, config = BUILDERS["gemma3_text"](), CONFIGS["accumulated"]
+    prompts = random_prompts((20, 7, 13), seed=16)
+    pads = [20 - len(p) for p in prompts]
+    batch = [BatchH2OKVCache(c.config, 3, c.window_size, left_padding=pads)
+             for c in make_h2o_cache(model, config, layer_budget="uniform")]
+    assert batch[0].offset.tolist() == [0, -13, -7]  # RoPE: each row's tokens from 0
+    with mlx_h2o.patch():
+        model(mx.array([[0] * n + p for n, p in zip(pads, prompts)]), cache=batch)
+    assert batch[0].offset.tolist() == [20, 7, 13] and batch[0].kept == [12, 7, 12]
+    decode = random_prompts((5,) * 3, seed=17)
+    batch_decode(model, batch, decode)
+    check_invariants(batch)
+    for b, (p, d) in enumerate(zip(prompts, decode)):
+        assert rows_held(batch, 3)[b] == held(single_run(model, config, p, 20, d))
 
 
 def test_decode_logits_match_single_caches_while_evicting():
