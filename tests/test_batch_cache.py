@@ -16,7 +16,7 @@ from mlx_lm.generate import BatchGenerator
 
 import mlx_h2o
 from mlx_h2o import H2OConfig, H2OKVCache, make_h2o_cache
-from mlx_h2o.cache.batch_cache import BatchH2OKVCache, merge
+from mlx_h2o.cache.batch_cache import BatchH2OKVCache
 from mlx_h2o.cache.quantized import QuantConfig, quantized_cache_type
 from mlx_h2o.integration.serving import use_h2o_caches
 from test_integration import word_tokenizer
@@ -262,15 +262,28 @@ def test_state_round_trip_and_deepcopy():
     assert copies[0].keys is not batch[0].keys and batch[0].nbytes > 0
 
 
+def test_batch_generate_takes_h2o_prompt_caches():
+    """mlx-lm's batch_generate with one H2O prompt cache per prompt (H2OKVCache
+    has mlx-lm's merge): within the budget, BatchKVCache's tokens."""
+    model, tok = tiny_llama(), word_tokenizer()
+    prompts = random_prompts((7, 3, 12), seed=4)
+    kw = dict(max_tokens=8, return_token_ids=True)
+    ref = mlx_lm.batch_generate(model, tok, prompts, **kw)
+    caches = [make_h2o_cache(model, H2OConfig(max_size=64)) for _ in prompts]
+    with mlx_h2o.patch():
+        out = mlx_lm.batch_generate(model, tok, prompts, prompt_caches=caches, **kw)
+    assert out.token_ids == ref.token_ids
+
+
 def test_merge_refuses_what_it_cannot_batch():
     model = tiny_llama()
     config = H2OConfig(max_size=16)
     dense = make_h2o_cache(model, config)
     quant = make_h2o_cache(model, config, quantized_cache_type(QuantConfig(bits=8)))
     with pytest.raises(ValueError, match="dense H2OKVCache"):
-        merge.__func__(BatchH2OKVCache, [dense[0], quant[0]])
+        BatchH2OKVCache.merge([dense[0], quant[0]])
     other = make_h2o_cache(model, H2OConfig(max_size=32))
     with pytest.raises(ValueError, match="different budgets"):
-        merge.__func__(BatchH2OKVCache, [dense[0], other[0]])
+        BatchH2OKVCache.merge([dense[0], other[0]])
     with pytest.raises(ValueError, match="evict_batch"):
         BatchH2OKVCache(H2OConfig(max_size=32, evict_batch=4), 2)

@@ -262,7 +262,7 @@ def _merge(cls, caches) -> BatchH2OKVCache:
     """One BatchH2OKVCache from single-sequence H2OKVCaches of one layer (mlx-lm
     calls ``caches[0].merge(caches)``): each row holds its cache's slots,
     scores and offset; rows with fewer slots get empty ones."""
-    from .h2o import H2OKVCache  # h2o.py takes `merge` from this module
+    from .h2o import H2OKVCache  # h2o.py imports this module lazily (merge)
 
     first = caches[0]
     for c in caches:
@@ -284,7 +284,4 @@ def _merge(cls, caches) -> BatchH2OKVCache:
     return batch
 
 
-# A classmethod for mlx-lm's `caches[0][i].merge([...])` on single caches:
-# H2OKVCache binds it as `merge` (one line in its class body).
-merge = classmethod(_merge)
-BatchH2OKVCache.merge = merge
+BatchH2OKVCache.merge = classmethod(_merge)

@@ -252,6 +252,14 @@ class H2OKVCache(Slots, DeferredScores, DecodeSteps):
     def size(self) -> int:
         return self._n
 
+    @classmethod
+    def merge(cls, caches) -> "BatchH2OKVCache":  # noqa: F821
+        """mlx-lm's batch contract (BatchGenerator, the server): a
+        BatchH2OKVCache whose rows are these single-sequence caches."""
+        from .batch_cache import BatchH2OKVCache  # it builds rows of this class
+
+        return BatchH2OKVCache.merge(caches)
+
     def empty(self) -> bool:
         return self._positions is None
 

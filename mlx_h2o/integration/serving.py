@@ -4,9 +4,9 @@ mlx-lm builds caches through ``make_prompt_cache``, imported by name into
 ``mlx_lm.generate`` (``generate_step``, ``BatchGenerator.insert``) and
 ``mlx_lm.server`` (and ``model.make_cache`` behind it). ``use_h2o_caches``
 swaps that name in every loaded ``mlx_lm`` module for one that returns
-``make_h2o_cache(model, config)``, gives ``H2OKVCache`` mlx-lm's ``merge``
-(batching: cache/batch_cache.py) and routes attention, for the duration of a
-``with`` block. Import ``mlx_lm.server`` before entering it to serve.
+``make_h2o_cache(model, config)`` (``H2OKVCache.merge`` batches them:
+cache/batch_cache.py) and routes attention, for the duration of a ``with``
+block. Import ``mlx_lm.server`` before entering it to serve.
 """
 
 import sys
@@ -16,8 +16,6 @@ from typing import Any, List, Optional
 
 import mlx_lm.models.cache as mlx_cache
 
-from ..cache import H2OKVCache
-from ..cache.batch_cache import merge
 from ..config import H2OConfig
 from . import routing
 from .factory import LayerBudget, make_h2o_cache
@@ -50,22 +48,16 @@ def h2o_prompt_cache(config: H2OConfig, layer_budget: LayerBudget = "auto"):
 def use_h2o_caches(config: H2OConfig, layer_budget: LayerBudget = "auto"):
     """``with use_h2o_caches(H2OConfig(max_size=256)): mlx_lm.batch_generate(...)``.
 
-    Not nestable; routing (``mlx_h2o.enable``) is on inside. ``H2OKVCache.merge``
-    is set here only while H2OKVCache has none of its own."""
+    Not nestable; routing (``mlx_h2o.enable``) is on inside."""
     if not isinstance(config, H2OConfig):
         raise TypeError(f"config must be an H2OConfig, got {type(config).__name__}")
     if not _lock.acquire(blocking=False):
         raise RuntimeError("use_h2o_caches is already active")
-    attach = "merge" not in vars(H2OKVCache)
     new = h2o_prompt_cache(config, layer_budget)
     try:
-        if attach:
-            H2OKVCache.merge = merge
         _swap(_ORIGINAL, new)
         with routing.patch():
             yield new
     finally:
         _swap(new, _ORIGINAL)
-        if attach:
-            del H2OKVCache.merge
         _lock.release()
