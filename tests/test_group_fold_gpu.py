@@ -14,13 +14,13 @@ import pytest
 from mlx_h2o import H2OConfig
 from mlx_h2o.cache.group import fold_layer
 from mlx_h2o.config import with_max_size
-from mlx_h2o.kernels import build, source
+from mlx_h2o.kernels import backend, build, source
 from mlx_h2o.kernels.packed import pack
 from mlx_h2o.kernels.quantized_reference import dequantize
 from mlx_h2o.kernels.group_fold import group_fold, group_fold_supported, layer_params
 from mlx_h2o.scores import SCORE_MODES
 
-needs_gpu = pytest.mark.skipif(build.gpu_backend() is None,
+needs_gpu = pytest.mark.skipif(backend.gpu_backend() is None,
                                reason="needs MLX with Metal or CUDA")
 
 

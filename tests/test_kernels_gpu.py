@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 from mlx_h2o import kernels
-from mlx_h2o.kernels import build, reference, source
-from mlx_h2o.kernels.decode import choose_splits, layout, mask_mode, supported
+from mlx_h2o.kernels import backend, build, reference, source
+from mlx_h2o.kernels.backend import supported
+from mlx_h2o.kernels.decode import choose_splits, layout, mask_mode
 from mlx_h2o.kernels.testing import Case, check_case, make_inputs, ref64, rel_err, to_np
 
-HAS_GPU = build.gpu_backend() is not None
+HAS_GPU = backend.gpu_backend() is not None
 needs_gpu = pytest.mark.skipif(
     not HAS_GPU, reason="needs MLX with Metal or CUDA (mx.metal / mx.cuda unavailable)"
 )
@@ -197,7 +198,7 @@ def test_mma_pass1_matches_float64(case):
     from mlx_h2o.kernels import decode
     from mlx_h2o.kernels.decode import decode_attention
 
-    if build.gpu_backend() != "cuda":
+    if backend.gpu_backend() != "cuda":
         pytest.skip("the tensor-core pass 1 is CUDA only")
 
     def fn(q, k, v, scale, mask, sinks):

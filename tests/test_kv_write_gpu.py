@@ -12,10 +12,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_h2o.kernels import build, kv_write, source
+from mlx_h2o.kernels import backend, kv_write, source
 from mlx_h2o.kernels.packed import pack, unpack
 
-needs_gpu = pytest.mark.skipif(build.gpu_backend() is None,
+needs_gpu = pytest.mark.skipif(backend.gpu_backend() is None,
                                reason="needs MLX with Metal or CUDA")
 POISON = 12345.0  # what an unwritten element reads (uint32 codes too)
 MANTISSA = {mx.float16: 10, mx.bfloat16: 7, mx.float32: 23}

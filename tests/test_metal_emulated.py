@@ -28,8 +28,8 @@ import test_queue_fold_gpu  # noqa: E402
 from mlx_h2o import H2OConfig, native  # noqa: E402
 from mlx_h2o.cache import group as cache_group  # noqa: E402
 from mlx_h2o.cache import first_use as first_use_check  # noqa: E402
-from mlx_h2o.kernels import (build, decode, group_fold, h2o_step, kv_write,  # noqa: E402
-                             quantized_gpu, queued)
+from mlx_h2o.kernels import (backend, build, decode, group_fold, h2o_step,  # noqa: E402
+                             kv_write, quantized_gpu, queued)
 from mlx_h2o.kernels.testing import Case, check_case  # noqa: E402
 from mlx_h2o.scores import SCORE_MODES  # noqa: E402
 
@@ -70,8 +70,8 @@ def metal(monkeypatch):
     # Kernel factories build for Metal; the library's own dispatch (the
     # reference cache of gpu_check's runs) sees no GPU and stays on the CPU
     # paths: only the kernels called here run emulated.
-    monkeypatch.setattr(build, "gpu_backend", lambda: "metal")
-    monkeypatch.setattr(decode, "gpu_backend", lambda: None)
+    monkeypatch.setattr(h2o_step, "gpu_backend", lambda: "metal")
+    monkeypatch.setattr(backend, "gpu_backend", lambda: None)
     # The CPU is the device here: take the GPU paths' checks as passed.
     monkeypatch.setattr(h2o_step, "h2o_step_supported", lambda *a, **k: True)
     monkeypatch.setattr(h2o_step, "fold_step_supported", lambda *a, **k: True)

@@ -15,12 +15,12 @@ import pytest
 
 from mlx_h2o import H2OConfig, H2OKVCache
 from mlx_h2o.cache.deferred import QueuedQuery, batch_fold
-from mlx_h2o.kernels import build, queued, source
+from mlx_h2o.kernels import backend, queued, source
 from mlx_h2o.kernels.queued import queue_fold, queue_fold_supported
 from mlx_h2o.kernels.testing import queue_fold_ref64, to_np
 from mlx_h2o.scores import DEFERRABLE
 
-needs_gpu = pytest.mark.skipif(build.gpu_backend() is None,
+needs_gpu = pytest.mark.skipif(backend.gpu_backend() is None,
                                reason="needs MLX with Metal or CUDA")
 
 
@@ -45,7 +45,7 @@ def test_source_shares_the_body(tile):
 
 def test_not_supported_without_gpu_or_for_odd_shapes():
     q, k = mx.zeros((1, 8, 4, 64)), mx.zeros((1, 2, 16, 64))
-    if build.gpu_backend() is None:
+    if backend.gpu_backend() is None:
         assert not queue_fold_supported(q, k)
     assert not queue_fold_supported(mx.zeros((1, 8, 4, 60)), mx.zeros((1, 2, 16, 60)))
     assert not queue_fold_supported(mx.zeros((1, 32, 200, 64)), mx.zeros((1, 2, 16, 64)))

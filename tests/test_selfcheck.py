@@ -3,7 +3,7 @@
 import mlx.core as mx
 import pytest
 
-from mlx_h2o.kernels import build, reference, selfcheck
+from mlx_h2o.kernels import backend, build, decode, reference, selfcheck
 
 
 def by_reference(q, k, v, *, scale, mask, sinks, num_splits):
@@ -60,22 +60,22 @@ def test_gpu_backend_uses_metal_only_after_the_check(monkeypatch, device, passes
         checked.append(device)
         return passes
 
-    monkeypatch.setattr(build, "device_backend", lambda: device)
+    monkeypatch.setattr(backend, "device_backend", lambda: device)
     monkeypatch.setattr(selfcheck, "kernels_pass", fake_pass)
-    build.gpu_backend.cache_clear()
+    backend.gpu_backend.cache_clear()
     try:
-        assert build.gpu_backend() == want
-        assert build.gpu_backend() == want
+        assert backend.gpu_backend() == want
+        assert backend.gpu_backend() == want
         assert checked == (["metal"] if device == "metal" else [])  # once, Metal only
     finally:
-        build.gpu_backend.cache_clear()
+        backend.gpu_backend.cache_clear()
 
 
 @pytest.mark.skipif(build.device_backend() is None,
                     reason="needs MLX with Metal or CUDA (mx.metal / mx.cuda unavailable)")
 def test_the_kernels_of_this_backend_pass():
     """No false alarm: the real kernels pass the check that gates Metal's."""
-    assert selfcheck.check_attention(selfcheck.decode_attention) is None
+    assert selfcheck.check_attention(decode.decode_attention) is None
 
 
 def test_its_error_is_the_kernel_checks_rel_err():

@@ -14,9 +14,10 @@ import json
 import os
 import platform
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from ..jsonfile import write_json
 
 DEFAULT_ROOT = "results"
 
@@ -61,21 +62,6 @@ class ResultsDir:
         f = self.file(key)
         write_json(f, result)
         return f
-
-
-def write_json(path, obj) -> None:
-    """Write JSON atomically: a temp file beside ``path``, then rename over it."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=1, default=str)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def machine_info() -> dict[str, Any]:

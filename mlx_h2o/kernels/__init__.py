@@ -12,8 +12,8 @@ from typing import Optional, Tuple
 import mlx.core as mx
 
 from . import reference
-from .build import gpu_backend, runs_on_gpu
-from .decode import decode_attention, supported
+from .backend import gpu_backend, runs_on_gpu, supported
+from .decode import decode_attention
 from .h2o_step import H2OFold, H2OStep, fold_step_supported, h2o_decode_step
 from .h2o_step import h2o_fold_step, h2o_step_supported, make_plan
 from .queued import queue_fold, queue_fold_supported

@@ -22,6 +22,7 @@ def mode_id(mode: str) -> int:
     """The kernels' MODE constant of score mode ``mode`` (ValueError if unknown)."""
     return score_mode(mode).kernel_id
 
+
 # Entries of a Metal kernel's buffer argument table: MLX's metal_kernel binds
 # each input, each of its _shape / _strides / _ndim the body names, and each
 # output to one (mlx/backend/metal/custom_kernel.cpp).
@@ -38,26 +39,6 @@ def device_backend() -> Optional[str]:
     if cuda is not None and cuda.is_available():
         return "cuda"
     return None
-
-
-@lru_cache(maxsize=1)
-def gpu_backend() -> Optional[str]:
-    """The backend whose kernels the library uses: ``device_backend()``, or
-    None where there is none or its kernels failed their first-use check
-    (Metal's, which never ran before a user's machine: kernels/selfcheck.py)."""
-    backend = device_backend()
-    if backend == "metal":
-        from .selfcheck import kernels_pass  # selfcheck imports decode, which imports us
-
-        if not kernels_pass():
-            return None
-    return backend
-
-
-def runs_on_gpu() -> bool:
-    """Our kernels' backend is there and work runs on its device (not on a
-    CUDA or Metal machine's CPU device, where the CPU paths serve)."""
-    return gpu_backend() is not None and mx.default_device() == mx.gpu
 
 
 def _prelude(backend: str) -> Tuple[str, str]:
@@ -247,10 +228,10 @@ def _pass2_name(sinks: bool, fused: bool) -> str:
 
 
 @lru_cache(maxsize=None)
-def _make_fold_kernel():
-    """Fold-only kernel, or None without a GPU backend. Its logits are indexed
-    flat, so inputs are made row-contiguous (a no-op for kernel outputs)."""
-    backend = gpu_backend()
+def _make_fold_kernel(backend: Optional[str]):
+    """Fold-only kernel for ``backend`` (the caller's ``gpu_backend()``), or
+    None without one. Its logits are indexed flat, so inputs are made
+    row-contiguous (a no-op for kernel outputs)."""
     if backend is None:
         return None
     return _built_once(backend, "h2o_fold", fold_names(), *fold_source(backend))
@@ -261,7 +242,7 @@ def _make_pass1_precompiled(mask: str, sinks: bool, split: bool, fused: bool):
     """``_make_pass1_kernel``'s kernel as ``_precompiled``, for calls whose
     inputs are all row-contiguous, such as a cache's whole buffers (MLX's
     build reads strided views in place)."""
-    return _precompiled(gpu_backend(), _pass1_name(mask, sinks, split, fused),
+    return _precompiled(device_backend(), _pass1_name(mask, sinks, split, fused),
                         pass1_names(mask, sinks, split, fused),
                         *pass1_source("cuda", mask, sinks, split, fused),
                         _make_pass1_kernel(mask, sinks, split, fused))
@@ -270,7 +251,7 @@ def _make_pass1_precompiled(mask: str, sinks: bool, split: bool, fused: bool):
 @lru_cache(maxsize=None)
 def _make_pass2_precompiled(sinks: bool, fused: bool):
     """``_make_pass2_kernel``'s kernel as ``_precompiled``, as pass 1's."""
-    return _precompiled(gpu_backend(), _pass2_name(sinks, fused),
+    return _precompiled(device_backend(), _pass2_name(sinks, fused),
                         pass2_names(sinks, fused), *pass2_source("cuda", sinks, fused),
                         _make_pass2_kernel(sinks, fused))
 
@@ -328,10 +309,10 @@ def group_source(backend: str, n_layers: int, quantized: bool = False):
 
 
 @lru_cache(maxsize=None)
-def _make_group_kernel(n_layers: int, quantized: bool = False):
-    """Group-fold kernel over ``n_layers`` layers, or None without a GPU backend.
-    Inputs are made row-contiguous: K buffers and queries are indexed flat."""
-    backend = gpu_backend()
+def _make_group_kernel(backend: Optional[str], n_layers: int, quantized: bool = False):
+    """Group-fold kernel over ``n_layers`` layers for ``backend`` (the caller's
+    ``gpu_backend()``), or None without one. Inputs are made row-contiguous:
+    K buffers and queries are indexed flat."""
     if backend is None:
         return None
     # Precompiled: no ~2 s build at a CUDA process's first evicting step.

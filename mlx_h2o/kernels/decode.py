@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from .. import native
 from .build import (_make_pass1_kernel, _make_pass1_mma_kernel, _make_pass2_kernel,
-                    device_backend, gpu_backend)
+                    device_backend)
 
 NT = 128  # threads per block (source.NT)
 MAX_SPLITS = 256  # more never measured faster (docs/GPU.md, "--tune")
@@ -182,27 +182,6 @@ def mask_mode(mask: Mask, B: int, Hq: int, Hk: int, L: int, N: int):
     if mask.dtype in DTYPES:
         return "add", heads
     return None
-
-
-def supported(q, k, v, mask: Mask = None, sinks=None) -> bool:
-    """Whether the GPU kernels take these inputs (else use the reference)."""
-    if gpu_backend() is None or mx.default_device() != mx.gpu:
-        return False
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        return False
-    B, Hq, L, D = q.shape
-    Hk, N = k.shape[1], k.shape[2]
-    if not (q.dtype == k.dtype == v.dtype and q.dtype in DTYPES):
-        return False
-    if L < 1 or L > 8 or N < 1 or Hk < 1 or Hq % Hk:
-        return False
-    if k.shape[0] != B or tuple(v.shape) != (B, Hk, N, D) or k.shape[3] != D:
-        return False
-    if D % 8 or D > 256:
-        return False
-    if sinks is not None and (sinks.ndim != 1 or sinks.shape[0] != Hq):
-        return False
-    return mask_mode(mask, B, Hq, Hk, L, N) is not None
 
 
 @lru_cache(maxsize=64)

@@ -14,7 +14,8 @@ import mlx.core as mx
 
 from .. import native
 from . import cubin
-from .build import _make_group_kernel, gpu_backend, mode_id
+from .backend import gpu_backend
+from .build import _make_group_kernel, mode_id
 from .decode import DTYPES, NT
 from .h2o_step import _pins, params_row
 from .quantized_reference import BITS
@@ -74,7 +75,7 @@ class GroupPlan:
     def __init__(self, n, B, Hq, Hk, D, dtype, M, mode, pinned, bits=None, group_size=64):
         self.n, self.B, self.Hq, self.Hk, self.D, self.M = n, B, Hq, Hk, D, M
         quantized = bits is not None
-        self.kernel = _make_group_kernel(n, quantized)
+        self.kernel = _make_group_kernel(gpu_backend(), n, quantized)
         # Victims repeat along D for dense writes; packed ones take (B, Hk, 1, 1).
         self.VD = 1 if quantized else D
         self.template = [("T", dtype), ("D", D), ("G", Hq // Hk), ("HK", Hk), ("NB", B),

@@ -5,15 +5,15 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .build import (
-    _make_fold_kernel, _make_pass1_kernel, _make_pass1_precompiled, _make_pass2_kernel,
-    _make_pass2_precompiled, mode_id,
-)
-from .build import device_backend, gpu_backend
 from .. import native
 from . import decode
+from .backend import gpu_backend, supported
+from .build import (
+    _make_fold_kernel, _make_pass1_kernel, _make_pass1_precompiled, _make_pass2_kernel,
+    _make_pass2_precompiled, device_backend, mode_id,
+)
 from .decode import NT, MAX_SPLITS, Mask, choose_splits, layout, mask_mode
-from .decode import params_f, supported
+from .decode import params_f
 
 # The fold reads one logits row per group head (L == 1) and keeps the whole
 # group in one block, so the one-launch form needs G <= 8.
@@ -320,7 +320,7 @@ def h2o_fold_step(
     Hk, cap = positions.shape[1], positions.shape[2]
     prm_i = step_params(offset, append_slot, (window_size or 0, sink_size, recent_budget), N)
     f32, i32 = mx.float32, mx.int32
-    pos, sc, cn, victim = _make_fold_kernel()(
+    pos, sc, cn, victim = _make_fold_kernel(gpu_backend())(
         inputs=[logits, lse, positions, score, count, _no_slot() if slot is None else slot,
                 prm_i, params_f(1.0, float(alpha)), _pins(tuple(tuple(p) for p in pinned))],
         template=[("G", Hq // Hk), ("HK", Hk), ("D", 1), ("MODE", mode_id(mode))],

@@ -34,7 +34,8 @@ from typing import NamedTuple, Optional
 import mlx.core as mx
 
 from .. import native
-from .build import _built_once, _prelude, gpu_backend, runs_on_gpu
+from .backend import gpu_backend, runs_on_gpu
+from .build import _built_once, _prelude
 from .decode import DTYPES
 from .packed import row_words
 from .quantized_reference import BITS, GROUP_SIZES

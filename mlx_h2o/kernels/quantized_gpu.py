@@ -26,7 +26,7 @@ from string import Template
 
 import mlx.core as mx
 
-from .build import gpu_backend
+from .backend import gpu_backend
 from .source import CUDA_HEADER, CUDA_IDS, METAL_HEADER, METAL_IDS
 
 NT = 256

@@ -26,7 +26,8 @@ from typing import Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .build import _built_once, _prelude, gpu_backend, runs_on_gpu
+from .backend import gpu_backend, runs_on_gpu
+from .build import _built_once, _prelude
 from .decode import DTYPES, params_f
 
 # (NT threads, KPT keys per thread): a block covers NT * KPT = 128 slots,

@@ -5,8 +5,9 @@ Apple's compiler or run on an Apple GPU, only type-checked and run on a CPU
 emulator (docs/GPU.md, "Metal: not run"). Before the library uses them, one small
 decode attention, through pass 1 alone and through key splits + merge, is
 compared with the reference on the CPU; if it fails to build or disagrees,
-``gpu_backend()`` reports no backend, the library warns once and stays on
-the reference paths (the same results, slower).
+``gpu_backend()`` (kernels/backend.py, which runs this check) reports no
+backend, the library warns once and stays on the reference paths (the same
+results, slower).
 """
 
 import warnings

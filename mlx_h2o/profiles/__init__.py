@@ -18,6 +18,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from ..jsonfile import write_json
+
 FORMAT = "mlx-h2o-layer-profile/1"
 # Set by mlx_h2o.models.load_model on a packaged model it loaded (its registry name).
 PACKAGED_ATTR = "mlx_h2o_packaged_model"
@@ -138,8 +140,6 @@ def load_profile(path: Union[str, os.PathLike]) -> LayerProfile:
 
 def save_profile(profile: LayerProfile, path: Union[str, os.PathLike]) -> Path:
     """Write atomically: a temp file beside ``path``, then rename; nothing left on failure."""
-    from ..eval.results import write_json  # the project's atomic JSON writer (stdlib only)
-
     path = Path(path)
     write_json(path, profile.to_dict())
     return path
