@@ -178,16 +178,16 @@ def test_grouped_caches_match_per_layer_on_gpu(quant):
 
 
 @needs_gpu
-@pytest.mark.parametrize("quant", [None, (8, 64), (4, 32)])
+@pytest.mark.parametrize("quant", [(8, 64), (4, 32)])
 def test_fused_write_matches_scatters_on_gpu(quant):
     """Grouped caches whose evicting steps write through kernels/kv_write.py vs
     the same caches writing with mx.quantize + put_along_axis: same kept
     positions at the end, stored K/V equal, outputs within one dtype rounding."""
-    from mlx_h2o.cache import H2OKVCache, QuantConfig, quantized_cache_type
+    from mlx_h2o.cache import QuantConfig, quantized_cache_type
     from mlx_h2o.cache.group import make_groups
     from test_step_group import configs, run
 
-    cls = H2OKVCache if quant is None else quantized_cache_type(QuantConfig(*quant))
+    cls = quantized_cache_type(QuantConfig(*quant))
     cfgs = configs(sizes=(24, 40, 31))
     sets = [[cls(c) for c in cfgs] for _ in range(2)]
     for fused, caches in zip((False, True), sets):
