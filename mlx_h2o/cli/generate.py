@@ -2,18 +2,22 @@
 
 Takes every ``mlx_lm.generate`` flag plus ``--h2o-*``. Without ``--model`` it
 runs the embedded default model (prepared offline from a PyPI package).
+Under ``mlx.launch`` the model is sharded over the ranks (cli/ranks.py) and
+rank 0 prints.
 """
 
 import argparse
 import json
 import struct
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import List, Optional
 
 import mlx.core as mx
 from mlx_lm.generate import setup_arg_parser as mlx_lm_arg_parser
 
+from ..integration.distributed import pipeline_stages, shared_seed, world
 from ..models import DEFAULT_MODEL
 from .common import check_model_arg, fail, load_model_or_fail
 from .h2o_args import (  # noqa: F401  (h2o_config_from_args: tests and scripts)
@@ -25,6 +29,7 @@ from .h2o_args import (  # noqa: F401  (h2o_config_from_args: tests and scripts)
     h2o_value,
     quant_config_from_args,
 )
+from .ranks import check_rank_args, fail_once, is_distributed, load_on_ranks
 
 H2O_FORMAT = "mlx-h2o-cache/1"  # mlx_h2o.cache.io.FORMAT (read here without importing it)
 
@@ -44,6 +49,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
             action.help = ("A prompt cache to continue from: H2O caches from `mlx-h2o "
                            "cache_prompt` (they keep their own budget), or with --no-h2o "
                            "mlx-lm's from `mlx_lm.cache_prompt`")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="Under mlx.launch: pipeline parallel (whole layers per rank) "
+                        "instead of tensor parallel (whole KV heads per rank)")
     add_h2o_args(parser)
     return parser
 
@@ -162,7 +170,7 @@ def _same_model(a: str, b: str) -> bool:
     return a == b or Path(resolve_model(a)).resolve() == Path(resolve_model(b)).resolve()
 
 
-def _build_cache(parser, args, model, draft, config, quant):
+def _build_cache(parser, args, model, draft, config, quant, group):
     from ..cache.quantized import quantized_cache_type
     from ..integration.factory import make_h2o_cache
 
@@ -175,28 +183,38 @@ def _build_cache(parser, args, model, draft, config, quant):
     except (ValueError, TypeError) as e:
         from .h2o_args import flagify
 
-        fail(parser, flagify(str(e)))
+        fail_once(parser, group, flagify(str(e)))
     return cache
+
+
+def _load(parser, args, group, metadata):
+    """(model, tokenizer) of this process: sharded over the ranks under mlx.launch."""
+    tokenizer_config = json.loads((metadata or {}).get("tokenizer_config", "{}"))
+    tokenizer_config["trust_remote_code"] = args.trust_remote_code
+    name = _model_name(parser, args, metadata)
+    if is_distributed(group):
+        return load_on_ranks(parser, args, group, name, tokenizer_config)
+    return load_model_or_fail(parser, name, adapter_path=args.adapter_path,
+                              tokenizer_config=tokenizer_config)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     config, quant = check_args(parser, args)
+    group = world()
+    check_rank_args(parser, args, group)
     from mlx_lm.sample_utils import make_sampler
 
     from ..integration.generate import generate
 
-    if args.seed is not None:
-        mx.random.seed(args.seed)
+    seed = shared_seed(args.seed, group) if is_distributed(group) else args.seed
+    if seed is not None:
+        mx.random.seed(seed)
     cache, metadata = (None, None)
     if args.prompt_cache_file:
         cache, metadata = _load_cache_file(parser, args)
-    tokenizer_config = json.loads((metadata or {}).get("tokenizer_config", "{}"))
-    tokenizer_config["trust_remote_code"] = args.trust_remote_code
-    model, tokenizer = load_model_or_fail(
-        parser, _model_name(parser, args, metadata), adapter_path=args.adapter_path,
-        tokenizer_config=tokenizer_config)
+    model, tokenizer = _load(parser, args, group, metadata)
     for eos in args.extra_eos_token:
         tokenizer.add_eos_token(eos)
     prompt = _prompt_tokens(args, tokenizer, continues=cache is not None)
@@ -205,28 +223,40 @@ def main(argv: Optional[List[str]] = None) -> int:
     if cache is not None:
         _check_layers(parser, args, cache, model, draft)
     elif config is not None:
-        cache = _build_cache(parser, args, model, draft, config, quant)
+        cache = _build_cache(parser, args, model, draft, config, quant, group)
     sampler = make_sampler(
         args.temp, args.top_p, args.min_p, args.min_tokens_to_keep, top_k=args.top_k,
         xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
         xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids),
     )
-    text = generate(
-        model, tokenizer, prompt, verbose=args.verbose, max_tokens=args.max_tokens,
-        sampler=sampler, prompt_cache=cache, max_kv_size=args.max_kv_size,
-        prefill_step_size=args.prefill_step_size, kv_bits=args.kv_bits,
-        kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start,
-        draft_model=draft, num_draft_tokens=args.num_draft_tokens,
-    )
-    if not args.verbose:  # the text only, as mlx_lm.generate: pipeable
-        print(text)
-    elif cache is not None and any(hasattr(c, "h2o_attention") for c in cache):
-        from ..integration.stats import cache_stats
-
-        print(f"Prompt: {len(prompt)} tokens | {cache_stats(cache).summary()}")
-        print(layer_budget_line(cache, h2o_value(args, "h2o_layer_budget"),
-                                from_file=args.prompt_cache_file))
+    with pipeline_stages() if args.pipeline and is_distributed(group) else nullcontext():
+        text = generate(  # every rank runs it (collectives); rank 0 prints
+            model, tokenizer, prompt, verbose=args.verbose and group.rank() == 0,
+            max_tokens=args.max_tokens, sampler=sampler, prompt_cache=cache,
+            max_kv_size=args.max_kv_size, prefill_step_size=args.prefill_step_size,
+            kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+            quantized_kv_start=args.quantized_kv_start, draft_model=draft,
+            num_draft_tokens=args.num_draft_tokens,
+        )
+    _report(args, text, len(prompt), cache, group)
     return 0
+
+
+def _report(args, text: str, prompt_tokens: int, cache, group) -> None:
+    """The text (--verbose False) or the cache stats of every rank, printed once."""
+    if not args.verbose:  # the text only, as mlx_lm.generate: pipeable
+        if group.rank() == 0:
+            print(text)
+        return
+    if cache is None or not any(hasattr(c, "h2o_attention") for c in cache):
+        return
+    from ..integration.stats import cache_stats
+
+    stats = cache_stats(cache, group, "layers" if args.pipeline else "heads")  # collective
+    if group.rank() == 0:
+        print(f"Prompt: {prompt_tokens} tokens | {stats.summary()}")
+        print(layer_budget_line(stats.layer_budget, h2o_value(args, "h2o_layer_budget"),
+                                from_file=args.prompt_cache_file))
 
 
 def _check_layers(parser, args, cache, model, draft) -> None:
@@ -237,8 +267,8 @@ def _check_layers(parser, args, cache, model, draft) -> None:
              "model; make it again with `mlx-h2o cache_prompt --model ...`")
 
 
-def layer_budget_line(cache, layer_budget, from_file=None) -> str:
-    sizes = [c.max_size for c in cache if hasattr(c, "h2o_attention")]
+def layer_budget_line(sizes, layer_budget, from_file=None) -> str:
+    """``sizes``: each H2O layer's max_size (``CacheStats.layer_budget``)."""
     origin = f"from {from_file}" if from_file else layer_budget
     if len(set(sizes)) == 1:
         return f"Layer budget ({origin}): uniform, max_size {sizes[0]} per layer"

@@ -8,18 +8,30 @@ model. Responses carry ``usage.h2o``: tokens seen / kept / evicted, KV bytes.
 
   mlx-h2o serve --h2o-max-size 512 --port 8080
   mlx-h2o serve --model mlx-community/Qwen3-4B-4bit --h2o-max-size 1024
+
+Under ``mlx.launch`` the model is sharded over the ranks as mlx_lm.server
+does it (tensor parallel; ``--pipeline``: pipeline parallel); rank 0 serves
+HTTP and every rank keeps H2O caches for its own KV heads (docs/DISTRIBUTED.md).
 """
 
 import argparse
 import logging
+from contextlib import nullcontext
 from typing import List, Optional
 from unittest import mock
 
 import mlx_lm.server as server
 
+from ..integration.distributed import (
+    HeadsDoNotDivide,
+    check_heads_divide,
+    model_config,
+    world,
+)
 from ..models import DEFAULT_MODEL, PACKAGED_MODELS
 from .common import check_model_arg, fail
 from .h2o_args import add_h2o_args, check_h2o_args, flagify, h2o_value
+from .ranks import check_rank_args, fail_once, is_distributed
 
 
 class _Built(Exception):
@@ -88,26 +100,35 @@ def _resolve(parser, args) -> Optional[tuple]:
     return (name, args.model) if name in PACKAGED_MODELS else None
 
 
-def _load_checked(parser, provider, config, layer_budget) -> None:
+def _load_checked(parser, provider, config, layer_budget, group) -> None:
     """Load the served model now (the server reuses it) and build its H2O
-    caches once: an unsupported model or layer profile ends the command."""
+    caches once: an unsupported model or layer profile, or (tensor parallel)
+    KV heads that do not divide by the ranks end the command."""
     from ..integration.factory import make_h2o_cache
 
+    path = provider.cli_args.model
+    name = provider.packaged[0] if provider.packaged else path
     try:
+        if is_distributed(group) and not provider.cli_args.pipeline:
+            check_heads_divide(model_config(path), group.size(), name)
         model, _ = provider.load("default_model", None, "default_model")
+    except HeadsDoNotDivide as e:
+        fail_once(parser, group, str(e))
     except (OSError, ValueError) as e:
         first = next((l for l in str(e).splitlines() if l.strip()), type(e).__name__)
-        fail(parser, f"--model {provider.cli_args.model}: could not load it ({first})")
+        fail_once(parser, group, f"--model {name}: could not load it ({first})")
     try:
         make_h2o_cache(model, config, layer_budget=layer_budget)
     except (ValueError, TypeError) as e:
-        fail(parser, flagify(str(e)))
+        fail_once(parser, group, flagify(str(e)))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     config = check_args(parser, args)
+    group = world()
+    check_rank_args(parser, args, group)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), None),
                         format="%(asctime)s - %(levelname)s - %(message)s")
     packaged = _resolve(parser, args)
@@ -115,12 +136,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     if config is None:  # --no-h2o: mlx-lm's server as it is
         server.run(args.host, args.port, server.ModelProvider(args))
         return 0
+    from ..integration.distributed import pipeline_stages
     from ..integration.serve import H2OModelProvider, h2o_server, run
 
     layer_budget = h2o_value(args, "h2o_layer_budget")
-    with h2o_server(config, layer_budget) as tracker:
+    split = "layers" if args.pipeline else "heads"
+    with h2o_server(config, layer_budget, group, split) as tracker, \
+            pipeline_stages() if args.pipeline else nullcontext():
         provider = H2OModelProvider(args, packaged)
-        _load_checked(parser, provider, config, layer_budget)
-        logging.info("H2O KV budget: %d tokens per layer (%s)", config.max_size, config)
+        _load_checked(parser, provider, config, layer_budget, group)
+        if group.rank() == 0:
+            logging.info("H2O KV budget: %d tokens per layer (%s)", config.max_size, config)
         run(args.host, args.port, provider, tracker)
     return 0

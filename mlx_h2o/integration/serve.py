@@ -4,7 +4,9 @@
 is an H2O one; batches are BatchH2OKVCache) and hooks the server's classes
 for the stats: each finished request's cache (the one its prompt cache keeps)
 is summarised as ``usage["h2o"]`` of its response and in a log line. ``run``
-is ``mlx_lm.server.run`` with those classes.
+is ``mlx_lm.server.run`` with those classes. Under ``mlx.launch`` every rank
+runs the generation loop (rank 0 the HTTP server too): the stats are summed
+over the ranks (a collective at the same point of every rank's loop).
 """
 
 import logging
@@ -12,6 +14,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Dict, List, Optional
 
+import mlx.core as mx
 import mlx_lm.server as server
 from mlx_lm.generate import BatchGenerator
 
@@ -23,11 +26,16 @@ from .stats import cache_stats
 _handler = threading.local()  # the context of the request this HTTP thread serves
 
 
-def request_stats(cache: List[Any], batch_rows: int = 0) -> Dict[str, Any]:
+def request_stats(cache: List[Any], batch_rows: int = 0, group=None,
+                  split: str = "heads") -> Dict[str, Any]:
     """What a request's H2O cache holds: tokens (per layer) and KV bytes.
     ``batch_rows``: the most requests decoded with it in one batch
-    (BatchH2OKVCache; 0: served alone)."""
-    s = cache_stats(cache)
+    (BatchH2OKVCache; 0: served alone). ``group``: every rank's caches
+    (``cache_stats``; a collective)."""
+    return _as_usage(cache_stats(cache, group, split), batch_rows)
+
+
+def _as_usage(s, batch_rows: int) -> Dict[str, Any]:
     return {"batched": batch_rows > 0, "batch_rows": batch_rows,
             "tokens_seen": s.tokens_seen, "tokens_kept": s.tokens_kept,
             "tokens_evicted": s.tokens_evicted, "kv_bytes": s.kv_bytes,
@@ -39,9 +47,10 @@ class StatsTracker:
     HTTP handler: the request context (``GenerationContext``) the server
     hands out last is the one its next ``insert`` / ``stream_generate`` serves."""
 
-    def __init__(self):
+    def __init__(self, group: Optional[mx.distributed.Group] = None, split: str = "heads"):
         self.current = None
         self._contexts, self._rows = {}, {}
+        self.group, self.split = group, split  # ranks of mlx.launch, what they split
 
     def bind(self, uids) -> None:
         for uid in uids:
@@ -60,15 +69,14 @@ class StatsTracker:
             self._contexts.pop(uid, None)
             self._rows.pop(uid, None)
 
-    @staticmethod
-    def record(ctx, cache, batch_rows: int = 0, log: bool = True) -> None:
+    def record(self, ctx, cache, batch_rows: int = 0, log: bool = True) -> None:
         if not cache or not any(hasattr(c, "h2o_attention") for c in cache):
             return
-        stats = request_stats(cache, batch_rows)
+        stats = cache_stats(cache, self.group, self.split)  # a collective under mlx.launch
         if ctx is not None:
-            ctx.h2o_stats = stats
-        if log:
-            logging.info("H2O cache of a finished request: %s", cache_stats(cache).summary())
+            ctx.h2o_stats = _as_usage(stats, batch_rows)
+        if log and (self.group is None or self.group.rank() == 0):
+            logging.info("H2O cache of a finished request: %s", stats.summary())
 
 
 class _TrackedQueue:
@@ -174,10 +182,11 @@ class H2OModelProvider(server.ModelProvider):
 
 
 @contextmanager
-def h2o_server(config: H2OConfig, layer_budget="auto"):
+def h2o_server(config: H2OConfig, layer_budget="auto", group=None, split: str = "heads"):
     """H2O caches everywhere in ``mlx_lm.server`` (and routing on) while open;
-    yields the StatsTracker that ``run`` takes."""
-    tracker = StatsTracker()
+    yields the StatsTracker that ``run`` takes. ``group`` (under ``mlx.launch``)
+    and ``split`` ("heads": tensor parallel, "layers": pipeline) go to the stats."""
+    tracker = StatsTracker(group if group is not None and group.size() > 1 else None, split)
     names = ("BatchGenerator", "stream_generate")
     saved = {name: getattr(server, name) for name in names}
     with use_h2o_caches(config, layer_budget):
@@ -191,7 +200,11 @@ def h2o_server(config: H2OConfig, layer_budget="auto"):
 
 
 def run(host: str, port: int, model_provider, tracker: StatsTracker) -> None:
-    """``mlx_lm.server.run`` with the H2O response generator and handler."""
+    """``mlx_lm.server.run`` with the H2O response generator and handler: under
+    ``mlx.launch`` rank 0 serves HTTP, every rank generates."""
     prompt_cache = server.LRUPromptCache(model_provider.cli_args.prompt_cache_size)
     generator = H2OResponseGenerator(model_provider, prompt_cache, tracker)
-    server._run_http_server(host, port, generator, handler_class=H2OAPIHandler)
+    if mx.distributed.init().rank() == 0:
+        server._run_http_server(host, port, generator, handler_class=H2OAPIHandler)
+    else:
+        generator.join()
