@@ -279,3 +279,23 @@ def test_loaded_caches_are_linked_as_made(tmp_path, monkeypatch):
     np.testing.assert_array_equal(np.array(a), np.array(b))
     for x, y in zip(live, loaded):
         assert_same(y, x)
+
+
+def test_deep_copy_goes_on_as_the_original():
+    """mlx-lm's prompt LRU deep-copies the caches it hands out: grouped caches
+    (whose group holds per-shape plans and MLX dtypes) copy into a new group
+    of the copies, and both go on token for token alike."""
+    import copy
+
+    _, grouped = layer_sets(configs())
+    run(grouped, 1, [5] + [1] * 40)
+    copies = copy.deepcopy(grouped)
+    group = copies[0]._group
+    assert group is not grouped[0]._group and group.members == copies
+    assert all(c._group is group for c in copies)
+    a, b = run(grouped, 2, [1] * 20), run(copies, 2, [1] * 20)
+    for x, y in zip(a, b):
+        for u, v in zip(x, y):
+            np.testing.assert_array_equal(u, v)
+    for x, y in zip(grouped, copies):
+        assert_same(x, y)

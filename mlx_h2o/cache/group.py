@@ -14,6 +14,7 @@ stacked (``_stack``); any other use of a member's metadata releases the group
 (folds what is pending, hands every member its rows back).
 """
 
+import copy
 from operator import is_
 from typing import List, Optional
 
@@ -48,6 +49,15 @@ class StepGroup:
         # Members' (queries, keys) signature, the first one seen, whether it can
         # be folded here and whether by the kernel.
         self._sig = None
+
+    def __deepcopy__(self, memo):
+        """A group of the members' copies (a copied member holds its own
+        metadata again; the fold's plan and signature are made anew)."""
+        self.release()
+        new = StepGroup(self.use_kernel)
+        memo[id(self)] = new
+        new.members = [copy.deepcopy(m, memo) for m in self.members]
+        return new
 
     def add(self, cache) -> None:
         self.members.append(cache)

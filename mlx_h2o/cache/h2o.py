@@ -14,7 +14,7 @@ from .mixed_storage import MixedKV
 from .quantized_storage import QuantizedKV
 from .slots import Slots
 from .steps import DecodeSteps
-from .storage import DenseKV
+from .storage import DenseKV, deepcopy_attrs
 
 NO_SCORES = (
     "H2OKVCache.update_and_fetch was called again before the attention of the "
@@ -303,6 +303,13 @@ class H2OKVCache(Slots, DeferredScores, DecodeSteps):
         self.evicted = cut - self._n
         return n
 
+    def __deepcopy__(self, memo):
+        """What mlx-lm's prompt LRU hands out: a cache that goes on as this one
+        (queued folds folded first; the fused step's plan, made per shape and
+        device, is made again)."""
+        self.settle()
+        return deepcopy_attrs(self, memo, fresh={"_plan": _none, "_plan_key": _none})
+
     def settle(self) -> None:
         """Bring the slot metadata up to date before it is read or rewritten:
         queued score folds, a decode token whose attention has not run yet
@@ -389,6 +396,10 @@ class H2OKVCache(Slots, DeferredScores, DecodeSteps):
         context grew by ~5 GB per 128 tokens and ran out of memory,
         docs/GPU.md, session 11)."""
         return mx.depends(out, [self._positions, self._score, self._count])
+
+
+def _none():
+    return None
 
 
 def _bad_update(keys, values) -> str:

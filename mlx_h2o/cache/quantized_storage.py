@@ -13,7 +13,7 @@ from ..kernels.packed import pack, unpack
 from ..kernels.quantized import quantized_attention, uses_kernel
 from ..kernels.quantized_reference import dequantize
 from . import first_use
-from .storage import resize_slots, take_slots
+from .storage import deepcopy_attrs, resize_slots, take_slots
 
 Triple = tuple[mx.array, mx.array, mx.array]
 
@@ -130,6 +130,10 @@ class QuantizedKV:
         # (packed buffer, dense K, dense V) of the last packed write, for the
         # SDPA that follows; stale once the buffer is not the stored one.
         self._dense = None
+
+    def __deepcopy__(self, memo):
+        # The write plans are per shape and device; the layout holds a dtype.
+        return deepcopy_attrs(self, memo, shared=("_layout",), fresh={"_writes": WritePlans})
 
     keys = _unpacked("keys")  # Triple | None
     values = _unpacked("values")  # Triple | None

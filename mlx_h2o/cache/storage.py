@@ -5,9 +5,30 @@ and knows how to attend over them. A quantized storage swaps in packed
 triples and its own attention with the same interface.
 """
 
+import copy
+from typing import Callable, Dict, Iterable
+
 import mlx.core as mx
 
 from ..kernels import scaled_dot_product_attention_with_scores
+
+
+def deepcopy_attrs(obj, memo, shared: Iterable[str] = (),
+                   fresh: Dict[str, Callable] = None):
+    """A deep copy of ``obj`` (``copy.deepcopy``'s ``__deepcopy__``): attributes
+    in ``shared`` are immutable values the copy shares (they may hold MLX
+    dtypes, which cannot be copied), those in ``fresh`` are made anew by their
+    factory (decisions cached per shape and device)."""
+    new = obj.__class__.__new__(obj.__class__)
+    memo[id(obj)] = new
+    fresh = fresh or {}
+    for name, value in obj.__dict__.items():
+        if name in fresh:
+            value = fresh[name]()
+        elif name not in shared:
+            value = copy.deepcopy(value, memo)
+        new.__dict__[name] = value
+    return new
 
 
 def resize_slots(old, n: int, shape, dtype):
