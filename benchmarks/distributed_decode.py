@@ -45,6 +45,7 @@ from decode_matrix import generate_split  # noqa: E402  (benchmarks/, beside thi
 import mlx_h2o  # noqa: E402
 from mlx_h2o import H2OConfig, make_h2o_cache  # noqa: E402
 from mlx_h2o.eval.bench import RANDOM_CONFIGS, random_model  # noqa: E402
+from mlx_h2o.integration.distributed import collective_stream  # noqa: E402
 
 STRATEGIES = ("kvcache", "h2o", "h2o_batch64")
 TINY = dict(model_type="qwen3", hidden_size=128, num_hidden_layers=4, intermediate_size=256,
@@ -81,7 +82,7 @@ def strategies(model, budget: int) -> dict:
 
 
 def barrier(group) -> None:
-    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=collective_stream()))
 
 
 def prefill(model, cache, context: int, vocab: int):

@@ -13,6 +13,7 @@ rank whole layers. Budgets are per layer, so they are the same on every rank.
 """
 
 import json
+import os
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -89,13 +90,19 @@ def load_sharded(name: Optional[str], group: mx.distributed.Group, pipeline: boo
     return model, tokenizer
 
 
+def collective_stream() -> mx.Stream:
+    """Where a small collective runs: NCCL's (``mlx.launch --backend nccl``
+    sets NCCL_HOST_IP) on the GPU, the ring backend's on the CPU."""
+    return mx.default_stream(mx.gpu) if "NCCL_HOST_IP" in os.environ else mx.cpu
+
+
 def shared_seed(seed: Optional[int], group: mx.distributed.Group) -> int:
     """Rank 0's seed (a random one when None) on every rank: sampling must pick
     the same token everywhere, or the ranks' sequences part."""
     if seed is None:
         seed = int(mx.random.randint(0, 2**31 - 1, ()).item())
     mine = mx.array(seed if group.rank() == 0 else 0, dtype=mx.int32)
-    return int(mx.distributed.all_sum(mine, group=group, stream=mx.cpu).item())
+    return int(mx.distributed.all_sum(mine, group=group, stream=collective_stream()).item())
 
 
 _stages_lock = threading.Lock()
