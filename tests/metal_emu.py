@@ -1,7 +1,7 @@
 """Run Metal kernel text on the CPU: a small SIMT emulator for tests.
 
-No Apple GPU is here, so the Metal twins never ran (docs/GPU.md, "Metal: not
-run"). ``EmulatedKernel`` stands in for ``mx.fast.metal_kernel``: it wraps
+No Apple GPU is here, so the Metal twins never ran (docs/GUIDE.md,
+"Backends: CPU, CUDA, Metal"). ``EmulatedKernel`` stands in for ``mx.fast.metal_kernel``: it wraps
 the kernel's header and body as MLX's metal_kernel does (template
 parameters, inputs with ``_shape`` / ``_strides`` / ``_ndim``, outputs, the
 thread attributes the body names), compiles that as C++20 with clang into a

@@ -4,7 +4,7 @@ Module-level imports (those that run when a module loads: its body, if / try
 blocks and class bodies) must form no cycle. A function may import lazily
 (cache/h2o.py reaches integration.routing in an error path), except where a
 layer must never reach another at all: kernels (a stack of their own over
-mlx, the score registry and the native loader), policy / scores, profiles.
+mlx and the score registry), policy / scores, profiles.
 ``importlib.import_module`` calls (the package's lazy public names, the CLI's
 commands) are not imports here.
 """
@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "mlx_h2o"
-# Leaf modules the kernels may build on: the score registry (kernel ids, stdlib
-# only) and the loader of the native replay helper (mlx only).
-BELOW_KERNELS = ("mlx_h2o.scores", "mlx_h2o.native")
+# The leaf module the kernels may build on: the score registry (kernel ids,
+# stdlib only).
+BELOW_KERNELS = ("mlx_h2o.scores",)
 KERNEL_DEPS = ("mlx", "numpy")  # besides the standard library
 
 

@@ -4,8 +4,7 @@ Nothing reads a cache's metadata (positions, scores, counts) until an eviction
 decision does. Left lazy, each decode step's update held its inputs: that
 step's logits (per-step folds) or the whole K buffer (queued folds), so active
 memory grew with every token (on the H100 a 16K-context decode of an 8B-shaped
-model grew by ~5 GB per 128 tokens and ran out of memory; docs/GPU.md,
-session 11). Growth is measured with MLX's own allocator counter.
+model grew by ~5 GB per 128 tokens and ran out of memory). Growth is measured with MLX's own allocator counter.
 """
 
 import gc

@@ -25,7 +25,7 @@ import test_group_fold_gpu  # noqa: E402
 import test_kv_write_gpu  # noqa: E402
 import test_quantized_kernel  # noqa: E402
 import test_queue_fold_gpu  # noqa: E402
-from mlx_h2o import H2OConfig, native  # noqa: E402
+from mlx_h2o import H2OConfig  # noqa: E402
 from mlx_h2o.cache import group as cache_group  # noqa: E402
 from mlx_h2o.cache import first_use as first_use_check  # noqa: E402
 from mlx_h2o.kernels import (backend, build, decode, group_fold, h2o_step,  # noqa: E402
@@ -56,7 +56,7 @@ def metal(monkeypatch):
     """Kernels built for Metal and run by the emulator; ``metal(layout)`` sets
     how strided inputs are handed over. The emulator's outputs are plain
     arrays (no graph), so repeated launches run again instead of replaying a
-    recording (no native tape, mx.compile off)."""
+    recording (mx.compile off)."""
     layout = {"value": "contiguous"}
 
     def make(**kw):
@@ -65,7 +65,6 @@ def metal(monkeypatch):
     monkeypatch.setattr(build.mx.fast, "metal_kernel", make)
     monkeypatch.setattr(build, "device_backend", lambda: "metal")
     monkeypatch.setattr(decode, "device_backend", lambda: "metal")
-    monkeypatch.setattr(native, "load", lambda: None)
     monkeypatch.setattr(decode, "_REPEATED", decode.Repeated())  # no replays kept after
     # Kernel factories build for Metal; the library's own dispatch (the
     # reference cache of gpu_check's runs) sees no GPU and stays on the CPU

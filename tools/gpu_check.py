@@ -99,7 +99,7 @@ def run_attention(quick: bool, seed: int) -> int:
 
 
 class FusedDriver:
-    """Drives h2o_decode_step the way the cache should (see docs/GPU.md)."""
+    """Drives h2o_decode_step the way the cache should (see docs/DESIGN.md)."""
 
     def __init__(self, ref: H2OKVCache, splits, cap):
         n = ref.size()

@@ -1,7 +1,7 @@
 """Type-check every Metal kernel variant with clang on a machine without Metal.
 
 No Apple GPU or Metal compiler is here, so the Metal twins were never built
-(docs/GPU.md, "Metal: not run"). This script wraps each Metal variant as MLX
+(docs/GUIDE.md, "Backends: CPU, CUDA, Metal"). This script wraps each Metal variant as MLX
 0.32's ``mx.fast.metal_kernel`` does (mlx/backend/metal/custom_kernel.cpp,
 write_signature: template parameters, ``const device T*`` inputs (``constant``
 below 8 elements), their ``_shape`` / ``_strides`` / ``_ndim``, ``device``

@@ -10,7 +10,7 @@ decode steps attend the rest until then).
 Not compiled: ``mx.compile`` of this graph measured no faster on the H100
 (decode 0.945 / 0.952 of RotatingKVCache vs 1.028 op by op, within that host's
 noise) and its first event JIT-compiled fused kernels for 12-25 s
-(docs/GPU.md, "Session 10").
+(docs/DESIGN.md).
 """
 
 from functools import lru_cache

@@ -148,7 +148,7 @@ class DeferredScores:
         Batch evictions (``evict_batch``) are not staggered: every layer's
         event falls on the same token, so the other tokens' graphs stay
         identical (MLX's CUDA backend caches graphs by topology; staggered
-        events measured 0.78-0.90 of Rotating against 0.90-1.03, docs/GPU.md)."""
+        events measured 0.78-0.90 of Rotating against 0.90-1.03, docs/DESIGN.md)."""
         self._queue = ScoreQueue(self.defer_steps, phase)
 
     def _may_defer(self) -> bool:
@@ -216,7 +216,7 @@ class DeferredScores:
         (or the whole buffer). Slots a query does not see add exact zeros, and
         the fold's shapes repeat for up to ``step`` tokens instead of changing
         every token (H100, 16K context without eviction: 0.840 of KVCache's
-        tok/s against 0.792 with folds of exactly ``n``; docs/GPU.md)."""
+        tok/s against 0.792 with folds of exactly ``n``; docs/DESIGN.md)."""
         # After a prompt compaction the metadata can be shorter than the buffer.
         cap = min(self.kv.capacity, self._score.shape[-1])
         return min(cap, -(-n // self.config.step) * self.config.step)
@@ -230,7 +230,7 @@ class DeferredScores:
         """What the general path does for a decode token that appends and
         queues its scores (below the budget, or between two batch events),
         without its checks: this step runs every token of every layer, and
-        decode is host bound on the GPU (docs/GPU.md)."""
+        decode is host bound on the GPU (docs/DESIGN.md)."""
         n = self._n
         self.kv.write(n, keys, values)
         self._n, self.offset = n + 1, self.offset + 1

@@ -1,7 +1,7 @@
 """The caches' Metal kernels, each checked on its first real use.
 
-The Metal kernels were never run on an Apple GPU (docs/GPU.md, "Metal: not
-run"). kernels/selfcheck.py checks the attention kernels before any kernel
+The Metal kernels were never run on an Apple GPU (docs/GUIDE.md,
+"Backends: CPU, CUDA, Metal"). kernels/selfcheck.py checks the attention kernels before any kernel
 runs; every other kernel family the caches run is checked here, on its
 first real call against the op path on the same state: the group fold (a full
 cache's one launch a token) against the per-layer policy ops, the queue

@@ -3,7 +3,7 @@
 A full H2O cache's decode step needs last token's scores folded and a victim
 picked before it writes. Per layer that was one custom attention launch per
 token: ~13 us of host time against ~1 us for MLX's SDPA, and 28 us of GPU time
-against cuDNN's 8 at 256 keys (docs/GPU.md). In a group, a member
+against cuDNN's 8 at 256 keys (docs/DESIGN.md). In a group, a member
 in the evicting steady state writes its token into the victim slot, attends
 with MLX's SDPA and pushes its query here; the last member's push folds every
 pushed query and picks every member's next victim at once (kernels.group_fold),
@@ -119,7 +119,7 @@ class StepGroup:
             return
         self._pending = {}
         # In members' order. This runs once a token on the host-bound decode
-        # path (~50 us of Python on the lent H200 host, docs/GPU.md, session 24).
+        # path (~50 us of Python on an H200 host, docs/DESIGN.md).
         items = [pending[id(m)] for m in self.members if id(m) in pending]
         caches, queries, slots = zip(*items)
         if self._stacked is not None and not self._continues(caches, slots):
@@ -203,7 +203,7 @@ class StepGroup:
     def _fold_kernel(self, caches, queries, offsets):
         # Each token's offsets come from the last launch's device copy when they
         # advanced by one (the steady state); a host-written array every token
-        # cost the kernel ~150 us of GPU time on the H100 (docs/GPU.md).
+        # cost the kernel ~150 us of GPU time on the H100 (docs/DESIGN.md).
         nxt = self._lay_next
         if nxt is not None and nxt[1] == offsets:
             lay_i = nxt[0]
@@ -212,7 +212,7 @@ class StepGroup:
             lay_i = mx.array(self._lay_i)
         keys = [c.kv.group_keys for c in caches]
         # The plan is checked and looked up once per stacking and query shape,
-        # not every token (host time, docs/GPU.md, session 24).
+        # not every token (host time, docs/DESIGN.md).
         key = (queries[0].shape, queries[0].dtype)
         if self._plan is None or self._plan[0] != key:
             cfg = caches[0].config

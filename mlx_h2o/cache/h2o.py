@@ -394,7 +394,7 @@ class H2OKVCache(Slots, DeferredScores, DecodeSteps):
         Nothing else reads it until a decision does; left lazy, each update's
         graph held that step's K buffer or logits (an H100 decode at 16K
         context grew by ~5 GB per 128 tokens and ran out of memory,
-        docs/GPU.md, session 11)."""
+        docs/DESIGN.md)."""
         return mx.depends(out, [self._positions, self._score, self._count])
 
 

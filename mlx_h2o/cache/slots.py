@@ -84,7 +84,7 @@ class Slots:
     def _write_decode_victim(self, keys, values):
         """What the general path does for that token, without its checks:
         every layer of an evicting decode runs it every token, and decode is
-        host bound on the GPU (docs/GPU.md, "Session 24")."""
+        host bound on the GPU (docs/DESIGN.md)."""
         victim = self._victim
         self.token_bytes = keys.nbytes + values.nbytes
         self.kv.write_index(victim, keys, values, for_sdpa=self._group is not None)

@@ -84,7 +84,7 @@ class DecodeSteps:
             return self._make_plan(queries, keys, scale, mask, sinks)
         # Unmasked: support and plan depend on the device and shapes only (the
         # buffers' capacity included): decided once per signature, one lookup
-        # per step (host time is what a decode step costs, docs/GPU.md).
+        # per step (host time is what a decode step costs, docs/DESIGN.md).
         key = (mx.default_device(), queries.shape, queries.dtype, keys.dtype, values.dtype,
                values.shape[3], self._positions.shape, scale,
                None if sinks is None else sinks.shape)

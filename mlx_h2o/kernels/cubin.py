@@ -2,8 +2,8 @@
 
 MLX 0.32.4 builds every ``mx.fast.cuda_kernel`` with NVRTC in every process
 (its PTX disk cache holds only MLX's own kernels): ~1.2-1.5 s a kernel at
-first use, e.g. a ~4 s pause at a process's first queue fold (docs/GPU.md,
-"Session 17"). ``PrecompiledKernel`` takes the same arguments as such a
+first use, e.g. a ~4 s pause at a process's first queue fold (docs/RESULTS.md).
+``PrecompiledKernel`` takes the same arguments as such a
 kernel object. It compiles the kernel's whole program (header, template
 constants as ``constexpr``, body) with the NVRTC library MLX loaded, for
 this GPU, keeps the cubin under ``cache_dir()`` named by a digest of the
@@ -29,7 +29,6 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..native.loader import build_cache
 
 CACHE_ENV = "MLX_H2O_CUBIN_CACHE"  # a directory; "0" turns precompiled kernels off
 CTYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float",
@@ -38,8 +37,16 @@ INT32_MAX = 2**31 - 1
 
 
 def cache_dir() -> Optional[Path]:
-    """Where cubins are kept (None: precompiled kernels are off)."""
-    return build_cache(CACHE_ENV, "cubin")
+    """Where cubins are kept (None: precompiled kernels are off): ``$CACHE_ENV``
+    if set (``"0"``: off), else ``~/.cache/mlx_h2o/cubin``; then the MLX version."""
+    value = os.environ.get(CACHE_ENV)
+    if value == "0":
+        return None
+    try:
+        root = Path(value) if value else Path.home() / ".cache" / "mlx_h2o" / "cubin"
+    except RuntimeError:  # no home directory to find
+        return None
+    return root / mx.__version__
 
 
 def _loaded(fragment: str) -> Optional[str]:

@@ -8,15 +8,15 @@ from typing import Iterator, Optional, Tuple, Union
 
 import mlx.core as mx
 
-from .. import native
+from .replay import replayer
 from .build import (_make_pass1_kernel, _make_pass1_mma_kernel, _make_pass2_kernel,
                     device_backend)
 
 NT = 128  # threads per block (source.NT)
-MAX_SPLITS = 256  # more never measured faster (docs/GPU.md, "--tune")
+MAX_SPLITS = 256  # more never measured faster (docs/DESIGN.md, "--tune")
 MIN_SPLIT_KEYS = 128
 MMA_TILE = 64  # keys per block iteration of the tensor-core pass 1
-SINGLE_PASS_MAX_N = 256  # below this one launch beats two (measured: docs/GPU.md)
+SINGLE_PASS_MAX_N = 256  # below this one launch beats two (measured: docs/DESIGN.md)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 Mask = Union[None, str, mx.array]
@@ -25,7 +25,7 @@ Mask = Union[None, str, mx.array]
 @dataclass(frozen=True)
 class LaunchSettings:
     """The launch knobs of ``decode_attention`` (and the fused step's layout).
-    The defaults measured fastest on an H200 (docs/GPU.md); benchmarks and
+    The defaults measured fastest on an H200 (docs/DESIGN.md); benchmarks and
     tests change them for a block of calls with ``launch_settings``."""
 
     # U, keys per warp iteration; 0: min(8, TPK / padded R)
@@ -126,7 +126,7 @@ def mma_supported(dtype, D: int, L: int, G: int, kind: str) -> bool:
     bfloat16, no mask or causal, <= 8 query rows a KV head; sinks are pass
     2's): with the ``mma`` setting 1 at D 64 / 96, where it measured faster
     than the shared body on an H200 (D=128 slower, also at 128 registers;
-    docs/GPU.md sessions 19-20), with 2 also at D=128; 0 never."""
+    docs/DESIGN.md), with 2 also at D=128; 0 never."""
     cfg = settings()
     dims = {1: (64, 96), 2: (64, 96, 128)}.get(cfg.mma, ())
     return (device_backend() == "cuda" and dtype in (mx.float16, mx.bfloat16)
@@ -139,7 +139,7 @@ def lanes_per_key(D: int, N: int) -> int:
     a row: fewer warp shuffles per logit, wider loads, more registers):
     D=64 16, and 8 in one pass (<= 256 keys) or from 8K keys (4 rows a warp
     read); D 80 / 96 16; D=128 16; else, and on Metal (never run), 32.
-    docs/GPU.md, sessions 16-17 and 22 (D=128 below 8K keys: 10.6-14.8
+    docs/DESIGN.md (D=128 below 8K keys: 10.6-14.8
     against 11.5-15.5 us with 32 lanes, in one pass 10.9 against 13.2)."""
     if device_backend() != "cuda":
         return 32
@@ -153,7 +153,7 @@ def choose_splits(N: int, units: int, tile: int, D: int = 128) -> int:
 
     Head dims above 128 take half the blocks: pass 1 then needs ~168
     registers a thread, 3 blocks fit an SM, and 512 blocks ran as two waves
-    (H200, D=256: S=32 73 / 106 us at 16K / 32K, S=64 85 / 128; docs/GPU.md).
+    (H200, D=256: S=32 73 / 106 us at 16K / 32K, S=64 85 / 128; docs/DESIGN.md).
     """
     if N <= SINGLE_PASS_MAX_N:
         return 1
@@ -195,8 +195,7 @@ class Repeated:
 
     A chain of calls with one signature (a full cache, a fixed buffer, a
     benchmark) replays the graph of its second call instead of rebuilding
-    each custom-kernel call: through ``native.replayer`` (a C++ tape where
-    it builds, else ``mx.compile``; docs/GPU.md, sessions 15 and 20). A
+    each custom-kernel call (``replay.replayer``: mx.compile). A
     signature's first call runs plain, so a growing cache (a new N every
     step) never records; at most ``size`` replays are kept (``size=0``:
     every call plain).
@@ -219,7 +218,7 @@ class Repeated:
         launch = make(*args)
         outs = launch(*arrays)
         if signature in seen:  # its second call, or a refused replay: record
-            seen[signature] = native.replayer(launch, arrays, outs)
+            seen[signature] = replayer(launch, arrays, outs)
             seen.move_to_end(signature)
         elif self.size > 0:
             seen[signature] = None

@@ -4,7 +4,7 @@ Each layer attends its decode query with MLX's SDPA after writing the token
 into the victim slot; at the next token one launch folds every layer's query
 into its scores and picks every layer's next victim. Per layer step that
 leaves what mlx-lm's caches launch (two K/V writes + SDPA), plus a share of
-this launch (docs/GPU.md, "One fold launch per token").
+this launch (docs/DESIGN.md, "One fold launch per token").
 """
 
 from functools import lru_cache
@@ -12,7 +12,7 @@ from typing import List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
-from .. import native
+from .replay import Replay
 from . import cubin
 from .backend import gpu_backend
 from .build import _make_group_kernel, mode_id
@@ -65,12 +65,12 @@ def layer_params(offset: int, sink_size: int, recent_budget: int, valid: int, ca
 class GroupPlan:
     """The group fold for fixed shapes and settings. MLX's build is launched
     directly: with ~80 inputs and (then) ~40 outputs, mx.compile's replay
-    cost more host time than the kernel call (H100, session 7). Ours
-    (kernels/cubin.py) replays its first call's recording (``native.Replay``;
-    mx.compile where the native helper is missing), which converts the cubin
+    cost more host time than the kernel call (H100). Ours
+    (kernels/cubin.py) replays its first call's recording (``replay.Replay``,
+    mx.compile), which converts the cubin
     and the ~80 shape scalars once: launched directly it cost 0.03-0.08 ms a
     token more than MLX's build, compiled about the same (H200,
-    `scripts/gpu_split.py --ops-only`, docs/GPU.md sessions 18 and 20)."""
+    `scripts/gpu_split.py --ops-only`, docs/DESIGN.md)."""
 
     def __init__(self, n, B, Hq, Hk, D, dtype, M, mode, pinned, bits=None, group_size=64):
         self.n, self.B, self.Hq, self.Hk, self.D, self.M = n, B, Hq, Hk, D, M
@@ -84,7 +84,7 @@ class GroupPlan:
             self.template += [("BITS", bits), ("GS", group_size)]
         self.pins = _pins(pinned)
         precompiled = isinstance(self.kernel, cubin.PrecompiledKernel)
-        self._run = native.Replay(self._launch) if precompiled else self._launch
+        self._run = Replay(self._launch) if precompiled else self._launch
 
     def __call__(self, queries, keys, lay_i, lay_f, positions, score, count, slot) -> GroupFold:
         res = self._run(*queries, *keys, lay_i, lay_f, positions, score, count, slot)
@@ -103,7 +103,7 @@ class GroupPlan:
         # Each layer's victim as a view of the stacked one (rows: a slice node,
         # no copy, row-contiguous as the write kernels take it): a kernel
         # output per layer cost more host time, each output holding its own
-        # copy of the ~80 inputs (docs/GPU.md, "Session 23").
+        # copy of the ~80 inputs (docs/DESIGN.md).
         return (*outs, *(outs[3][i * B:(i + 1) * B] for i in range(n)))
 
 

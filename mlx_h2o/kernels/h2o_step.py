@@ -5,7 +5,7 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .. import native
+from .replay import Replay
 from . import decode
 from .backend import gpu_backend, supported
 from .build import (
@@ -85,7 +85,7 @@ class StepPlan:
         G = Hq // Hk
         # Lanes a key row as decode_attention's (16 at D=128 on CUDA), or the
         # launch setting: checked fused on an H200, a layer step timed the
-        # same as with 32 lanes (docs/GPU.md, "Session 23").
+        # same as with 32 lanes (docs/DESIGN.md).
         cfg = decode.settings()
         tpk = cfg.lanes_per_key or decode.lanes_per_key(D, cap)
         lay = layout(D, dtype.size, G, 1, cfg.keys_per_lane_group, tpk)
@@ -112,10 +112,10 @@ class StepPlan:
         self.min_splits = 2 if kind in ("bool", "add") and device_backend() == "metal" else 1
         # A full cache (N == cap) calls with the same shapes every step: a
         # recorded launch replays its graph instead of rebuilding the kernel
-        # call (~35 us of host time per call on the H100, docs/GPU.md). Its
+        # call (~35 us of host time per call on the H100, docs/DESIGN.md). Its
         # inputs are whole buffers, row-contiguous: on CUDA it runs kernels
         # built once per machine, not MLX's builds of every process (~1.5-2.5 s
-        # at a process's first decode step, docs/GPU.md session 18).
+        # at a process's first decode step, docs/DESIGN.md).
         whole = (_make_pass1_precompiled(kind, has_sinks, False, True),
                  _make_pass1_precompiled(kind, has_sinks, True, True),
                  _make_pass2_precompiled(has_sinks, True))
@@ -124,7 +124,7 @@ class StepPlan:
         def steady(*arrays):
             return self._launch(*arrays, kernels=self.steady_kernels)
 
-        self._steady = native.Replay(steady)
+        self._steady = Replay(steady)
 
     def splits(self, N: int) -> int:
         S = self._splits.get(N)
@@ -221,7 +221,7 @@ def h2o_decode_step(
     num_splits: Optional[int] = None,
     poison: Optional[float] = None,
 ) -> H2OStep:
-    """One H2O decode step on the GPU (Lq == 1); see docs/GPU.md for the contract.
+    """One H2O decode step on the GPU (Lq == 1); see docs/DESIGN.md for the contract.
 
     Shapes:
         queries: (B, n_heads, 1, D); keys, values: (B, n_kv_heads, N, D), the

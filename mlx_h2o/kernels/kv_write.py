@@ -4,7 +4,7 @@ An evicting decode step writes the new token into the slot its fold picked.
 With built-in ops that is a ``put_along_axis`` per array: two for dense K/V,
 and for quantized triples two ``mx.quantize`` + six scatters + two
 ``mx.dequantize`` before MLX's SDPA can read them. Decode on the H100 is host
-bound (docs/GPU.md, "Session 6"): each op costs ~5-9 us to build and encode,
+bound (docs/DESIGN.md): each op costs ~5-9 us to build and encode,
 so the quantized step's ~11 ops per layer, not its GPU time, made it ~0.67x
 of the dense one. ``quantized_write`` does that write in one launch: it
 quantizes the token as ``mx.quantize`` does (same formulas, float32, IEEE
@@ -33,7 +33,7 @@ from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
-from .. import native
+from .replay import Replay
 from .backend import gpu_backend, runs_on_gpu
 from .build import _built_once, _prelude
 from .decode import DTYPES
@@ -213,7 +213,7 @@ class WritePlan:
         self.kernel = _make_write_kernel(dense_out, packed)
         self.dtype, self.D = dtype, D
         self.template = [("T", dtype), ("D", D), ("BITS", bits), ("GS", group_size)]
-        self._steady = native.Replay(self._launch)
+        self._steady = Replay(self._launch)
 
     def __call__(self, *arrays):
         return self._steady(*arrays)

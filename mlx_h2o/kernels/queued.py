@@ -4,7 +4,7 @@ cache/deferred.py keeps the decode queries of a cache below its budget and
 folds them every few steps. In plain ops that fold materializes float32
 logits, their softmax and a float32 copy of K: at 16K context and 32
 queries about 330 MB of transients per fold, which cost an H100 decode
-3.5-4 ms per token (docs/GPU.md, session 11). These kernels never write a
+3.5-4 ms per token (docs/DESIGN.md). These kernels never write a
 logit: "partials" gives each block (sequence, KV head, key split) and
 writes every query row's partial (max, sum exp) over its keys; "merge"
 turns each row's partials into its lse; "fold" recomputes the logits and
@@ -34,7 +34,7 @@ from .decode import DTYPES, params_f
 # blocks enough to fill a GPU at 4K slots. More keys per thread read the
 # staged queries fewer times per FMA but hold more registers: on the H100
 # one key per thread was fastest at 4K and 32K, 64x2 at 16K by ~10%, 32x4
-# slowest (docs/GPU.md, session 13). NT: a multiple of 32, >= RC.
+# slowest (docs/DESIGN.md). NT: a multiple of 32, >= RC.
 TILE = (128, 1)
 TILES = ((128, 1), (64, 2), (32, 4))  # what scripts/bench_queue_fold.py compares
 RC = 8

@@ -2,7 +2,7 @@
 
 The Metal twins share the CUDA kernels' body but were never built by
 Apple's compiler or run on an Apple GPU, only type-checked and run on a CPU
-emulator (docs/GPU.md, "Metal: not run"). Before the library uses them, one small
+emulator (docs/GUIDE.md, "Backends: CPU, CUDA, Metal"). Before the library uses them, one small
 decode attention, through pass 1 alone and through key splits + merge, is
 compared with the reference on the CPU; if it fails to build or disagrees,
 ``gpu_backend()`` (kernels/backend.py, which runs this check) reports no

@@ -473,7 +473,7 @@ SINK_INIT_PASS1 = r"""
 # over splits, no barrier); warp j sums the outputs of splits j, j + NG, ...
 # (lane: elements lane + 32 i), and the warps' sums meet in shared memory.
 # A serial loop over the splits, 8 blocks at B=1, cost ~20 us at S = 64
-# (docs/GPU.md, session 15).
+# (docs/DESIGN.md).
 PASS2 = r"""
 $IDS
   constexpr int NT = 128;

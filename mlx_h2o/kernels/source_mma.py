@@ -3,15 +3,15 @@ attention with scores, for the plain and causal cases at head dims 64, 96, 128.
 
 The shared-body pass 1 (source.PASS1) spends its time in warp shuffles: the
 reduce-scatter of partial dots and the broadcasts of p, ~40 a warp iteration
-(docs/GPU.md, sessions 16 and 19). Here each warp takes 16 keys an iteration
+(docs/DESIGN.md). Here each warp takes 16 keys an iteration
 and computes S = Q K^T and O += P V with ``mma.sync.m16n8k16`` (fp32
 accumulators): query rows are the MMA's M (rows 8-15 zero), keys its N (S)
 or K (P V). Only the row max crosses lanes (two shuffles a quad).
 The ``mma`` launch setting (decode.LaunchSettings) takes it at D 64 / 96 by
 default: on an H200 it was faster than the shared body there and slower at
-D=128, with 162 registers (session 19) and with 128 and a few spilled
-(session 20; docs/GPU.md). Below D=128 a warp reads its next K tile while
-it finishes the current one (session 21: 3-6% less time).
+D=128, with 162 registers and with 128 and a few spilled
+(docs/DESIGN.md). Below D=128 a warp reads its next K tile while
+it finishes the current one (3-6% less time).
 
 Layouts (lane = 4 q4 + t4):
 - D is permuted alike for Q and K: k-step 2j + h of the QK MMA takes
@@ -30,7 +30,7 @@ and were never run here).
 MMA_HEADER = r"""
 // At most 128 registers a thread, so 4 blocks of 128 threads fit an SM: at
 // D=128 this kernel took 162 (3 blocks an SM) and was slower than the shared
-// body (session 19). MLX writes the kernel's declaration after this header,
+// body. MLX writes the kernel's declaration after this header,
 // so its __global__ carries the bounds (D=64 takes 100 either way).
 #undef __global__
 #define __global__ __location__(global) __launch_bounds__(128, 4)
