@@ -27,13 +27,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_decode_below_the_budget_does_not_grow_memory(case):
-    cls, mode, window = CASES[case]
-    cache = cls(H2OConfig(max_size=N + 512, score=mode), window)
-    cache.defer_steps = 4
-    cache.set_fold_phase(0)  # the queue with the new steps
-    rng = np.random.default_rng(11)
+def decoder(cache, rng):
+    """``decode(steps, L=1)``: that many attention calls of L random tokens."""
     rand = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32))  # noqa: E731
 
     def decode(steps, L=1):
@@ -43,6 +38,16 @@ def test_decode_below_the_budget_does_not_grow_memory(case):
             mask = cache.make_mask(L) if L > 1 else None
             mx.eval(cache.h2o_attention(rand(B, HQ, L, D), keys, values, scale=0.1, mask=mask))
 
+    return decode
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_decode_below_the_budget_does_not_grow_memory(case):
+    cls, mode, window = CASES[case]
+    cache = cls(H2OConfig(max_size=N + 512, score=mode), window)
+    cache.defer_steps = 4
+    cache.set_fold_phase(0)  # the queue with the new steps
+    decode = decoder(cache, np.random.default_rng(11))
     decode(1, L=N)
     decode(4)
     gc.collect()
@@ -72,16 +77,7 @@ def test_decode_past_the_budget_stays_flat(case):
     events included) holds the same memory throughout."""
     cls, mode, window, batch = PAST_BUDGET[case]
     cache = cls(H2OConfig(max_size=256, score=mode, evict_batch=batch), window)
-    rng = np.random.default_rng(12)
-    rand = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32))  # noqa: E731
-
-    def decode(steps, L=1):
-        for _ in range(steps):
-            k = rand(B, HK, L, D)
-            keys, values = cache.update_and_fetch(k, k)
-            mask = cache.make_mask(L) if L > 1 else None
-            mx.eval(cache.h2o_attention(rand(B, HQ, L, D), keys, values, scale=0.1, mask=mask))
-
+    decode = decoder(cache, np.random.default_rng(12))
     decode(1, L=300)
     decode(48)  # three batch events: every buffer at its steady size
     gc.collect()
