@@ -12,6 +12,8 @@ import PackageDescription
 
 let environment = Context.environment
 let localLM = environment["MLXH2O_MLX_SWIFT_LM"].flatMap { $0.isEmpty ? nil : $0 }
+// A local mlx-swift (swift/scripts/assemble-checkout.sh builds one for Linux).
+let localMLX = environment["MLXH2O_MLX_SWIFT"].flatMap { $0.isEmpty ? nil : $0 }
 let withMLX = localLM != nil || environment["MLXH2O_WITH_MLX"] == "1"
 // patches/0001 adds this file; with it, H2OKVCache conforms to KVCacheAttentionProtocol.
 let routed = localLM.map {
@@ -32,7 +34,8 @@ let package = Package(
         // assembly and launch plans: plain strings and integers, checked on any OS.
         .target(name: "H2OKernels"),
         // Reads the shared JSON vectors from Tests/Vectors by #filePath.
-        .testTarget(name: "H2OCoreTests", dependencies: ["H2OCore", "H2OKernels"]),
+        .target(name: "H2OVectors", dependencies: ["H2OCore"], path: "Tests/H2OVectors"),
+        .testTarget(name: "H2OCoreTests", dependencies: ["H2OCore", "H2OKernels", "H2OVectors"]),
     ]
 )
 
@@ -40,7 +43,8 @@ if withMLX {
     package.dependencies += [
         localLM.map { .package(path: $0) }
             ?? .package(url: "https://github.com/ml-explore/mlx-swift-lm", exact: "3.31.3"),
-        .package(url: "https://github.com/ml-explore/mlx-swift", .upToNextMinor(from: "0.31.3")),
+        localMLX.map { .package(path: $0) }
+            ?? .package(url: "https://github.com/ml-explore/mlx-swift", .upToNextMinor(from: "0.31.3")),
     ]
     package.products.append(.library(name: "MLXH2O", targets: ["MLXH2O"]))
     package.targets.append(
@@ -50,6 +54,18 @@ if withMLX {
                 "H2OCore", "H2OKernels",
                 .product(name: "MLX", package: "mlx-swift"),
                 .product(name: "MLXLMCommon", package: lmPackage),
+            ],
+            swiftSettings: routed ? [.define("MLXH2O_ROUTED")] : []))
+    // The caches on real MLX arrays (CPU), against float64 and the Python vectors;
+    // a tiny Llama through attentionWithCacheUpdate where routed. `make mlx-linux`.
+    package.targets.append(
+        .testTarget(
+            name: "MLXH2OTests",
+            dependencies: [
+                "MLXH2O", "H2OCore", "H2OVectors",
+                .product(name: "MLX", package: "mlx-swift"),
+                .product(name: "MLXLMCommon", package: lmPackage),
+                .product(name: "MLXLLM", package: lmPackage),
             ],
             swiftSettings: routed ? [.define("MLXH2O_ROUTED")] : []))
 }

@@ -2,6 +2,7 @@
 
 import Foundation
 import H2OCore
+import H2OVectors
 import Testing
 
 @Suite("H2OConfig")

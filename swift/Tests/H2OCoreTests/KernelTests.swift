@@ -3,6 +3,7 @@
 // are the launch plans.
 
 import H2OKernels
+import H2OVectors
 import Testing
 
 @Suite("Metal kernel source")

@@ -7,6 +7,7 @@
 
 import Foundation
 import H2OCore
+import H2OVectors
 import Testing
 
 @Suite("Python parity vectors")
