@@ -58,6 +58,8 @@ def fold_scores(
         step = step / mx.maximum(seen, 1.0)
         ema = mx.where(count > 0, alpha * score + (1.0 - alpha) * step, step)
         score = mx.where(seen > 0, ema, score)
+    elif spec.fold == "last":
+        score = mx.where(seen > 0, step / mx.maximum(seen, 1.0), score)
     else:
         score = score + step
     return score, count + seen

@@ -3,10 +3,12 @@
 One entry per mode; everything else reads it: ``H2OConfig.score`` takes its
 names (``SCORE_MODES``), ``policy.fold_scores`` / ``eviction_score`` its fold
 and rank, the kernels its ``kernel_id`` (their ``MODE`` template constant,
-``kernels/source.py``'s ``FOLD``), the deferred queue fold its ``deferrable``
+``kernels/source.py``'s ``FOLD``) where ``kernel`` is True, the deferred queue fold its ``deferrable``
 modes and the evaluation's strategy names its ``short`` names. A new mode is
 one entry here; a new (fold, magnitude, rank) combination also needs its branch
-in ``policy.fold_scores`` and in the kernels' ``FOLD``.
+in ``policy.fold_scores``, and in the kernels' ``FOLD`` before its entry may say
+``kernel=True``. A mode with ``kernel=False`` runs on the op-by-op and compiled
+CPU decode paths only (``policy.fold_scores``): no GPU path may take it.
 
 Every mode keeps one score per (sequence, KV head, slot): the query heads of a
 GQA group are averaged, and ``count`` is the number of queries that could see
@@ -17,7 +19,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping, Tuple
 
-FOLDS = ("sum", "ema")  # s += step | s = alpha * s + (1 - alpha) * mean step
+# s += step | s = alpha * s + (1 - alpha) * mean step | s = mean step (this call's only)
+FOLDS = ("sum", "ema", "last")
 MAGNITUDES = ("probability", "abs_logit")  # softmax attention | |logit| of visible keys
 RANKS = ("score", "per_query")  # s | s / max(count, 1)
 
@@ -28,10 +31,15 @@ class ScoreMode:
 
     ``fold`` "sum" adds each call's magnitude, summed over its queries;
     "ema" folds each call's mean over the queries that saw the key into an
-    EMA (``alpha``: ``H2OConfig.ema_alpha``; the first sight sets it).
+    EMA (``alpha``: ``H2OConfig.ema_alpha``; the first sight sets it);
+    "last" replaces the score by the call's mean over the queries that saw
+    the key (keys no query of the call saw keep theirs).
     ``magnitude`` is what a query contributes to a key. ``rank`` is the
     number eviction compares: the score, or the score per query that saw the
-    key. ``kernel_id``: the kernels' ``MODE`` constant. ``deferrable``: the
+    key. ``kernel_id``: the kernels' ``MODE`` constant; ``kernel``: whether
+    the kernels' ``FOLD`` computes the mode (False: ``kernel_id`` is only
+    reserved, and decode must take the op-by-op / compiled CPU path, which
+    folds by ``policy.fold_scores``). ``deferrable``: the
     fold is a plain sum of probabilities over queries, so the batched queue
     fold (``cache/deferred.py``, ``kernels/queued.py``) may fold it.
     """
@@ -44,6 +52,7 @@ class ScoreMode:
     kernel_id: int
     deferrable: bool
     description: str  # the paper it comes from and its exact normalisation
+    kernel: bool = True
 
     def __post_init__(self):
         for field, value, choices in (("fold", self.fold, FOLDS),
@@ -54,6 +63,8 @@ class ScoreMode:
                                  f"use one of {choices}")
         if not isinstance(self.kernel_id, int) or self.kernel_id < 0:
             raise ValueError(f"score mode {self.name!r}: kernel_id must be an int >= 0")
+        if not isinstance(self.kernel, bool):
+            raise ValueError(f"score mode {self.name!r}: kernel must be True or False")
         if self.deferrable and (self.fold, self.magnitude) != ("sum", "probability"):
             raise ValueError(f"score mode {self.name!r}: only a sum of probabilities is "
                              "deferrable (the queue fold adds probabilities)")
@@ -86,9 +97,18 @@ SCORES: Mapping[str, ScoreMode] = _registry(
         deferrable=False,
         description="The H2O-in-MLX paper's EMA with softmax attention for |logit| "
         "(a strongly negative logit is no reason to keep a key); ranked by s."),
+    ScoreMode(
+        "tova", "tova", "last", "probability", "score", kernel_id=4, deferrable=False,
+        kernel=False,
+        description="TOVA (Oren et al. 2024, 'Transformers are Multi-State RNNs'): "
+        "s = the latest call's group-mean softmax attention, averaged over that "
+        "call's queries that saw the key (decode: the current query's alone; a "
+        "prompt chunk: its last prefill_window queries); ranked by s."),
 )
 SCORE_MODES: Tuple[str, ...] = tuple(SCORES)
 DEFERRABLE: Tuple[str, ...] = tuple(n for n, m in SCORES.items() if m.deferrable)
+# Modes the GPU kernels fold; the others run on the CPU decode paths only.
+KERNEL_MODES: Tuple[str, ...] = tuple(n for n, m in SCORES.items() if m.kernel)
 
 
 def score_mode(name: str) -> ScoreMode:

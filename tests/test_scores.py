@@ -2,7 +2,9 @@
 
 Each reader derives its mode names from the registry; what cannot be derived
 (the kernels' FOLD branches, the Swift enum) is checked here against it, so a
-new entry fails these tests until the kernels and the Swift twin handle it.
+new entry that says ``kernel=True`` fails these tests until the kernels and the
+Swift twin handle it. Entries with ``kernel=False`` run on the CPU decode paths
+only (policy.fold_scores) and have no Swift case.
 """
 
 import dataclasses
@@ -15,7 +17,7 @@ import mlx_h2o
 from mlx_h2o import config, policy, scores
 from mlx_h2o.kernels import build
 from mlx_h2o.kernels import source as src
-from mlx_h2o.scores import DEFERRABLE, SCORE_MODES, SCORES
+from mlx_h2o.scores import DEFERRABLE, KERNEL_MODES, SCORE_MODES, SCORES
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 SWIFT_CONFIG = os.path.join(ROOT, "swift", "Sources", "H2OCore", "H2OConfig.swift")
@@ -42,7 +44,7 @@ def kernel_fold(kernel_id: int) -> tuple:
     return fold, magnitude, "per_query" if kernel_id in per_query else "score"
 
 
-@pytest.mark.parametrize("mode", SCORE_MODES)
+@pytest.mark.parametrize("mode", KERNEL_MODES)
 def test_kernel_fold_handles_the_mode_as_the_registry_says(mode):
     m = SCORES[mode]
     assert kernel_fold(m.kernel_id) == (m.fold, m.magnitude, m.rank), (
@@ -55,7 +57,18 @@ def test_kernel_ids_index_the_kernels_mode_list():
     assert [SCORES[n].kernel_id for n in build.SCORE_MODES] == list(range(len(SCORES)))
     named = set().union(*(_mode_ids(p) for p in (
         r"if \(([^)]*)\) \{\s*// EMA", r"const float es = ([^?]*)\? sc / H2O_FMAX\(cn")))
-    assert named <= {m.kernel_id for m in SCORES.values()}, "FOLD branches on an unknown id"
+    kernel_ids = {m.kernel_id for m in SCORES.values() if m.kernel}
+    assert named <= kernel_ids, "FOLD branches on an id no kernel mode has"
+
+
+def test_kernel_modes_come_first():
+    # A mode without a kernel reserves the next MODE id: the kernel modes keep
+    # ids 0..k-1, the ones Swift's KernelConstants.scoreModes indexes.
+    ids = sorted(SCORES[n].kernel_id for n in KERNEL_MODES)
+    assert ids == list(range(len(KERNEL_MODES)))
+    assert KERNEL_MODES == tuple(n for n in SCORE_MODES if SCORES[n].kernel)
+    for n in set(SCORE_MODES) - set(KERNEL_MODES):
+        assert not SCORES[n].deferrable, f"{n}: the queue fold is a GPU kernel too"
 
 
 @pytest.mark.parametrize("mode", SCORE_MODES)
@@ -71,7 +84,7 @@ def test_only_sums_of_probabilities_are_deferrable(mode):
 def test_entries_are_validated():
     m = SCORES["accumulated"]
     for bad in (dict(fold="mean"), dict(magnitude="logit"), dict(rank="count"),
-                dict(kernel_id=-1)):
+                dict(kernel_id=-1), dict(kernel=1)):
         with pytest.raises(ValueError, match="score mode 'accumulated'"):
             dataclasses.replace(m, **bad)
     with pytest.raises(ValueError, match="share a name"):
@@ -100,11 +113,11 @@ def test_short_name_is_a_strategy_suffix(mode):
 
 
 def test_swift_score_mode_enum_matches_the_registry():
-    """H2OCore's ScoreMode: its raw values are the registry's names, in order
-    (its error text lists allCases as Python lists SCORE_MODES)."""
+    """H2OCore's ScoreMode: its raw values are the registry's kernel modes, in
+    order (the Metal step is Swift's only decode path)."""
     with open(SWIFT_CONFIG) as f:
         text = f.read()
     body = re.search(r"public enum ScoreMode\b[^{]*\{(.*?)\n\s*public init", text, re.S)
     assert body, "ScoreMode enum not found in H2OConfig.swift"
     cases = re.findall(r'^\s*case (\w+)(?:\s*=\s*"([^"]*)")?\s*$', body.group(1), re.M)
-    assert tuple(raw or name for name, raw in cases) == SCORE_MODES
+    assert tuple(raw or name for name, raw in cases) == KERNEL_MODES

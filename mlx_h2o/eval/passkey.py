@@ -70,13 +70,20 @@ def run_batch(model, tokenizer, prompts, strategy: Strategy, max_kv: int,
     with patch():
         logits = prefill(model, tokens, cache, prefill_step)
         out = greedy(model, logits, cache, new_tokens).tolist()
-    rows = []
-    for p, ids in zip(prompts, out):
-        text = tokenizer.decode(ids)
-        rows.append({"context": p["context"], "depth": p["depth"], "seed": p["seed"],
-                     "answer": str(p["answer"]), "output": text,
-                     "correct": is_correct(text, p["answer"])})
-    return rows
+    return [score_trial(p, tokenizer.decode(ids)) for p, ids in zip(prompts, out)]
+
+
+def score_trial(p: dict[str, Any], text: str) -> dict[str, Any]:
+    """One trial's row: a passkey (``answer``: its digits) or a retrieval task
+    (``answers``: every one must appear, ``retrieval_data.score_output``)."""
+    row = {"context": p["context"], "depth": p["depth"], "seed": p["seed"], "output": text}
+    if "answers" not in p:
+        return row | {"answer": str(p["answer"]), "correct": is_correct(text, p["answer"])}
+    from .retrieval_data import score_output
+
+    correct, recall = score_output(text, p["answers"])
+    return row | {"task": p["task"], "answers": list(p["answers"]), "correct": correct,
+                  "recall": recall}
 
 
 def run_strategy(model, tokenizer, prompts, strategy: Strategy, max_kv: int,

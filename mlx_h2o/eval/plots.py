@@ -93,6 +93,10 @@ def plot_ppl_bars(rows: list[dict[str, Any]], path, title: str = "") -> Path:
     return _save(fig, path)
 
 
+def _tick(value) -> str:
+    return f"{value:g}" if isinstance(value, (int, float)) else str(value)
+
+
 def plot_heatmaps(acc: dict[str, dict], rows: Sequence, cols: Sequence, path,
                   row_label="context (tokens)", col_label="passkey depth (0 = start)",
                   title="") -> Path:
@@ -105,7 +109,8 @@ def plot_heatmaps(acc: dict[str, dict], rows: Sequence, cols: Sequence, path,
         grid = [[acc[name].get((r, c), float("nan")) for c in cols] for r in rows]
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         ax.set_title(name, fontsize=9)
-        ax.set_xticks(range(len(cols)), [f"{c:g}" for c in cols], fontsize=7)
+        ax.set_xticks(range(len(cols)), [_tick(c) for c in cols], fontsize=7,
+                      rotation=0 if all(isinstance(c, (int, float)) for c in cols) else 45)
         ax.set_yticks(range(len(rows)), [str(r) for r in rows], fontsize=7)
         ax.set_xlabel(col_label, fontsize=8)
         for i, line in enumerate(grid):

@@ -1,0 +1,138 @@
+"""`mlx-h2o retrieval`: RULER-style retrieval tasks over contexts x budgets x strategies.
+
+Example (7 tasks x 3 depths a context; max_kv = 10/25/50% of the context):
+    mlx-h2o retrieval --model smollm2-135m --contexts 2048 4096 --budgets 0.1 0.25 0.5
+Tasks (mlx_h2o/eval/retrieval_data.py): single / multikey / multivalue /
+multiquery key-value needles, a sentence needle, variable tracking and a
+question about a document, in a haystack of essay text, asked through the
+model's chat template where it has one; the prompt is prefilled in chunks of
+--prefill-step tokens (mlx-lm's default 2048), the answer decoded greedily.
+Writes <results-dir>/retrieval/<model>-<hash>/: one JSON per finished
+(strategy, context, budget) with every output, summary.json and one heatmap
+PNG per context.
+"""
+
+import json
+import time
+
+from ..eval.common import fmt_table
+from ..eval.results import DEFAULT_ROOT, ResultsDir, machine_info
+from ..eval.retrieval_data import TASKS
+from .common import (
+    check_model_arg,
+    command_parser,
+    ensure_corpus_or_fail,
+    fail,
+    has_matplotlib,
+    load_model_or_fail,
+    save_plot,
+    strategies_or_fail,
+)
+from .passkey import budget_label
+
+
+def setup_arg_parser():
+    p = command_parser("retrieval", __doc__)
+    p.add_argument("--model", default="smollm2-135m",
+                   help="packaged model (smollm2-135m, gemma3-270m) or an mlx-lm path")
+    p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096],
+                   help="prompt lengths in tokens")
+    p.add_argument("--tasks", nargs="+", default=list(TASKS), help=f"some of {TASKS}")
+    p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9],
+                   help="where the (asked) needle sits (0 = start, 1 = end): a prompt each")
+    p.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.25, 0.5],
+                   help="KV budget per layer: <= 1 a fraction of the context, else tokens")
+    p.add_argument("--strategies", nargs="+", default=["baseline", "rotating", "h2o-heavy"],
+                   help="names from mlx_h2o.eval.strategies (name:key=value,...)")
+    p.add_argument("--haystack", default="austen",
+                   help="noise (repeated filler sentences) or a corpus name (essay text)")
+    p.add_argument("--no-chat", action="store_true",
+                   help="plain prompts even where the model has a chat template")
+    p.add_argument("--prefill-step", type=int, default=2048,
+                   help="prompt chunk size (mlx-lm generate's default is 2048)")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens decoded for the answer")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="prompts per batch (0: one batch per context length)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the needles")
+    p.add_argument("--results-dir", default=DEFAULT_ROOT, help="root of the results")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv=None) -> int:
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    check_model_arg(parser, args.model)
+    bad = [t for t in args.tasks if t not in TASKS]
+    if bad:
+        fail(parser, f"--tasks {' '.join(bad)}: unknown; use some of {' '.join(TASKS)}")
+    strategies = strategies_or_fail(parser, args.strategies)
+    if args.haystack != "noise":
+        ensure_corpus_or_fail(parser, args.haystack, "--haystack")
+    plots = has_matplotlib(parser.prog)
+    config = {k: getattr(args, k) for k in ("model", "tasks", "depths", "haystack",
+                                            "prefill_step", "new_tokens", "seed")}
+    config["chat"] = not args.no_chat
+    rdir = ResultsDir(args.results_dir, "retrieval", config, ("model",))
+    print(f"# mlx-h2o retrieval  results={rdir.path}")
+    print("# " + " ".join(f"{k}={v}" for k, v in config.items()), flush=True)
+    model, tokenizer = load_model_or_fail(parser, args.model)
+    from ..eval.passkey import budget_tokens, run_strategy
+    from ..eval.retrieval import haystack_text, make_prompts, task_accuracy
+
+    strategies = [s.calibrated(model, tokenizer) for s in strategies]
+    hay = haystack_text(args.haystack)
+    tic, rows = time.perf_counter(), []
+    for ctx in args.contexts:
+        prompts = make_prompts(tokenizer, args.tasks, [ctx], args.depths, args.seed, hay,
+                               not args.no_chat)
+        for budget in args.budgets:
+            for st in strategies:
+                if not st.bounded and budget != args.budgets[0]:
+                    continue  # the unbounded baseline once per context
+                max_kv = budget_tokens(budget, ctx)
+                key = f"{st.key(max_kv)}-ctx{ctx}" + (f"-b{budget:g}" if st.bounded else "")
+                res = rdir.load(key)
+                if res is None:
+                    res = run_strategy(model, tokenizer, prompts, st, max_kv,
+                                       args.prefill_step, args.new_tokens, args.batch_size,
+                                       not args.no_progress)
+                    rdir.save(key, res)
+                acc = task_accuracy(res)
+                rows.append({"context": ctx, "strategy": st.name,
+                             "budget": budget if st.bounded else None,
+                             "max_kv": max_kv if st.bounded else None, **acc,
+                             "seconds": res["seconds"]})
+                print(f"ctx={ctx} strategy={st.name} max_kv={rows[-1]['max_kv']} "
+                      f"mean={acc['mean']:.3f} " + " ".join(
+                          f"{t}={acc[t]:.2f}" for t in args.tasks), flush=True)
+    cols = ("context", "strategy", "budget", "max_kv", *args.tasks, "mean")
+    print()
+    print(fmt_table(rows, cols))
+    summary = {"config": config, "machine": machine_info(), "rows": rows,
+               "seconds": time.perf_counter() - tic}
+    rdir.save("summary", summary)  # before the plots: they may fail
+    if plots:
+        _plots(rows, args, rdir)
+    print(json.dumps({"results": str(rdir.path), "rows": rows}))
+    return 0
+
+
+def _plots(rows, args, rdir):
+    from ..eval.plots import plot_heatmaps
+
+    cols = [*args.tasks, "mean"]
+    for ctx in args.contexts:
+        sel = [r for r in rows if r["context"] == ctx]
+        names = list(dict.fromkeys(r["strategy"] for r in sel))
+        acc = {}
+        for budget in args.budgets:
+            panel = {}
+            for r in sel:
+                if r["budget"] in (budget, None):
+                    panel.update({(r["strategy"], t): r[t] for t in cols})
+            acc[budget_label(budget)] = panel
+        save_plot(plot_heatmaps, acc, names, cols, rdir.path / f"retrieval_ctx{ctx}.png",
+                  row_label="strategy", col_label="task",
+                  title=f"{args.model} retrieval accuracy at {ctx} tokens, "
+                  f"{len(args.depths)} prompt(s) a task")
