@@ -23,7 +23,7 @@ import mlx.core as mx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from mlx_h2o.cache.deferred import QueuedQuery, batch_fold  # noqa: E402
+from mlx_h2o.cache.score_queue import QueuedQuery, batch_fold  # noqa: E402
 from mlx_h2o.kernels.queued import queue_fold, queue_fold_supported  # noqa: E402
 
 

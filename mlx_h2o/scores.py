@@ -41,7 +41,7 @@ class ScoreMode:
     reserved, and decode must take the op-by-op / compiled CPU path, which
     folds by ``policy.fold_scores``). ``deferrable``: the
     fold is a plain sum of probabilities over queries, so the batched queue
-    fold (``cache/deferred.py``, ``kernels/queued.py``) may fold it.
+    fold (``cache/decode/deferred.py``, ``kernels/queued.py``) may fold it.
     """
 
     name: str

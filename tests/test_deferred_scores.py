@@ -1,4 +1,4 @@
-"""Deferred score folding (cache/deferred.py) against the per-step fold.
+"""Deferred score folding (cache/decode/deferred.py, cache/score_queue.py) against the per-step fold.
 
 A cache below its budget attends decode steps with MLX's SDPA and folds the
 queued queries' scores in batches; every decision it then makes must be the
@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 
 import mlx_h2o
-import mlx_h2o.cache.deferred as deferred
+import mlx_h2o.cache.score_queue as deferred
 from mlx_h2o import H2OConfig, H2OKVCache, make_h2o_cache, policy
-from mlx_h2o.cache.deferred import ScoreQueue, batch_fold, batch_logits
+from mlx_h2o.cache.score_queue import ScoreQueue, batch_fold, batch_logits
 from mlx_h2o.kernels.reference import scaled_dot_product_attention_with_scores
 from mlx_h2o.scores import DEFERRABLE, SCORE_MODES
 from tiny_models import tiny_llama
+from decode_steps import queue_of
+from mlx_h2o.cache.decode.deferred import DeferredFill
 
 NOT_DEFERRABLE = [m for m in SCORE_MODES if m not in DEFERRABLE]  # the EMA modes
 
@@ -33,7 +35,7 @@ def step(cache, L, rng, B=2, mask=None):
 
 def pair(cfg, window=None):
     lazy, eager = H2OKVCache(cfg, window), H2OKVCache(cfg, window)
-    eager.defer_scores = False
+    eager.set_decode(defer=0)
     return lazy, eager
 
 
@@ -64,8 +66,8 @@ def test_deferred_equals_per_step_fold(mode, steps, seed, grow):
     cfg = H2OConfig(max_size=40, sink_size=2, heavy_budget=15, score=mode, pinned=((5, 7),),
                     step=grow)
     lazy, eager = pair(cfg)
-    lazy.defer_steps = steps
     lazy.set_fold_phase(seed)
+    lazy.set_decode(defer=steps)
     rng_a, rng_b = np.random.default_rng(seed), np.random.default_rng(seed)
     # Fill by decode steps, a chunk in between, past the budget, then evict.
     lengths = [3] + [1] * 20 + [5] + [1] * 30
@@ -80,18 +82,17 @@ def test_deferred_equals_per_step_fold(mode, steps, seed, grow):
 
 def test_queue_fills_then_folds_in_batches():
     cache = H2OKVCache(H2OConfig(max_size=64))
-    cache.defer_steps = 8
-    cache.set_fold_phase(0)
+    cache.set_decode(defer=8)
     rng = np.random.default_rng(3)
     step(cache, 4, rng)
     sizes = []
     for _ in range(20):
         step(cache, 1, rng)
-        sizes.append(len(cache._queue))
+        sizes.append(len(queue_of(cache)))
     assert sizes == [1, 2, 3, 4, 5, 6, 7, 0] * 2 + [1, 2, 3, 4]
     assert cache._score is not None
     cache.score  # a read folds what is queued
-    assert len(cache._queue) == 0
+    assert len(queue_of(cache)) == 0
 
 
 def test_phase_staggers_the_first_fold():
@@ -99,14 +100,13 @@ def test_phase_staggers_the_first_fold():
     caches = make_h2o_cache(model, H2OConfig(max_size=64))
     rng = np.random.default_rng(0)
     for c in caches:
-        c.defer_steps = 4
-        c.set_fold_phase(c._queue._head_start)  # re-made with the new steps
+        c.set_decode(defer=4)  # the layer's fold phase stays
     firsts = []
     for c in caches:
         step(c, 2, rng)
         for i in range(1, 9):
             step(c, 1, rng)
-            if len(c._queue) == 0:
+            if len(queue_of(c)) == 0:
                 firsts.append(i)
                 break
     assert len(set(firsts)) > 1
@@ -119,7 +119,7 @@ def test_fold_width_repeats_for_a_step_of_tokens():
     widths = []
     for _ in range(30):
         step(cache, 1, rng)
-        widths.append(cache._fold_width(cache._n))
+        widths.append(cache.decode.find(DeferredFill).width(cache.slots_used))
     assert widths == [16] * 13 + [32] * 16 + [48]  # n = 4 .. 33
     assert all(w <= cache.kv.capacity for w in widths)
 
@@ -127,11 +127,10 @@ def test_fold_width_repeats_for_a_step_of_tokens():
 def test_memory_bound_folds_sooner(monkeypatch):
     monkeypatch.setattr(deferred, "MAX_LOGITS", 2 * HQ * 20)  # B=2, 20 slots: 1 query
     cache = H2OKVCache(H2OConfig(max_size=64))
-    cache.fold_queue_on_gpu = False  # the fold kernel writes no logits: no bound
     rng = np.random.default_rng(1)
     step(cache, 19, rng)
     step(cache, 1, rng)
-    assert len(cache._queue) == 0
+    assert len(queue_of(cache)) == 0
 
 
 @pytest.mark.parametrize("mode,window", [(m, None) for m in NOT_DEFERRABLE]
@@ -142,17 +141,17 @@ def test_not_deferred_where_not_a_sum(mode, window):
     for L in [4] + [1] * 40:
         a, b = (np.array(step(c, L, r)) for c, r in zip((lazy, eager), rngs))
         np.testing.assert_array_equal(a, b)
-        assert len(lazy._queue) == 0
+        assert not queue_of(lazy)  # none, or empty
     assert_same(lazy, eager)
 
 
 def test_array_mask_step_folds_the_queue_first():
     lazy, eager = pair(H2OConfig(max_size=30))
     feed((lazy, eager), 4, [4] + [1] * 5)
-    assert len(lazy._queue) == 5
+    assert len(queue_of(lazy)) == 5
     mask = mx.array(np.ones((1, 1, 1, 10), bool))  # a decode step with an array mask
     a, b = feed((lazy, eager), 5, [1], mask=mask)
-    assert len(lazy._queue) == 0
+    assert len(queue_of(lazy)) == 0
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     assert_same(lazy, eager)
 
@@ -233,7 +232,7 @@ def test_model_generation_same_with_and_without_deferral():
     for defer in (True, False):
         caches = make_h2o_cache(model, cfg)
         for c in caches:
-            c.defer_scores = defer
+            c.set_decode(defer=128 if defer else 0)
         with mlx_h2o.patch():
             logits = model(tokens, cache=caches)
             seq = []

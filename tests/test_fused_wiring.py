@@ -11,8 +11,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx_h2o.cache.h2o as h2o_module
-import mlx_h2o.cache.steps as steps_module
+import mlx_h2o.cache.decode as decode_module
+import mlx_h2o.cache.decode.fused as fused_module
 from mlx_h2o import H2OConfig, H2OKVCache, policy
 from mlx_h2o.cache.storage import put_slot
 from mlx_h2o.kernels import H2OFold, H2OStep
@@ -93,9 +93,10 @@ pytestmark = pytest.mark.usefixtures("on_cpu")
 
 @pytest.fixture
 def emulated_kernel(monkeypatch):
-    monkeypatch.setattr(steps_module, "runs_on_gpu", lambda: True)
-    monkeypatch.setattr(steps_module, "h2o_step_supported", lambda *a, **k: True)
-    monkeypatch.setattr(steps_module, "make_plan", emulated_plan)
+    monkeypatch.setattr(decode_module, "runs_on_gpu", lambda: True)  # auto: fused
+    monkeypatch.setattr(fused_module, "runs_on_gpu", lambda: True)
+    monkeypatch.setattr(fused_module, "h2o_step_supported", lambda *a, **k: True)
+    monkeypatch.setattr(fused_module, "make_plan", emulated_plan)
 
 
 def drive(cache, lengths, seed, trim_at=None, dim=D):
@@ -120,7 +121,7 @@ def test_fused_path_matches_op_by_op_path(emulated_kernel, mode, window, trim_at
     lengths = [5] + [1] * 10 + [9] + [1] * 15 + [6] + [1] * 20
     fused, plain = H2OKVCache(cfg, window), H2OKVCache(cfg, window)
     # per-step op-by-op reference
-    plain.use_fused_step = plain.defer_scores = plain.compile_ops_step = False
+    plain.set_decode("reference", defer=0)
     for a, b in zip(drive(fused, lengths, 0, trim_at), drive(plain, lengths, 0, trim_at)):
         np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-6)
     assert (fused.offset, fused.evicted, fused.size()) == (plain.offset, plain.evicted, plain.size())
@@ -131,7 +132,7 @@ def test_fused_path_matches_op_by_op_path(emulated_kernel, mode, window, trim_at
 def test_fused_path_is_taken(emulated_kernel):
     CALLS.clear()
     cache = H2OKVCache(H2OConfig(max_size=8))
-    cache.defer_scores = False
+    cache.set_decode(defer=0)
     drive(cache, [4, 1, 1, 1, 1, 1, 1], 1)
     assert len(CALLS) == 6  # every decode step, none for the chunk
 
@@ -149,11 +150,11 @@ def test_deferred_steps_skip_the_fused_launch(emulated_kernel):
 def test_deferred_metadata_on_the_op_by_op_path(emulated_kernel, monkeypatch, window):
     """A GPU cache defers a decode token's position/scores to the fused step; when a
     step takes the op-by-op path instead, it must write them itself."""
-    monkeypatch.setattr(steps_module, "h2o_step_supported", lambda *a, **k: False)
+    monkeypatch.setattr(fused_module, "h2o_step_supported", lambda *a, **k: False)
     cfg = H2OConfig(max_size=12, sink_size=2, heavy_budget=5, score="accumulated")
     lengths = [5] + [1] * 10 + [9] + [1] * 15
     deferred, plain = H2OKVCache(cfg, window), H2OKVCache(cfg, window)
-    plain.use_fused_step = False
+    plain.set_decode("compiled")
     for a, b in zip(drive(deferred, lengths, 3), drive(plain, lengths, 3)):
         np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-6)
     for x, y in zip(deferred.state, plain.state):
@@ -163,9 +164,10 @@ def test_deferred_metadata_on_the_op_by_op_path(emulated_kernel, monkeypatch, wi
 @pytest.fixture
 def emulated_fold_kernel(monkeypatch):
     # A GPU as the cache sees it: decode metadata is deferred to the kernels.
-    monkeypatch.setattr(steps_module, "runs_on_gpu", lambda: True)
-    monkeypatch.setattr(h2o_module, "fold_step_supported", lambda *a, **k: True)
-    monkeypatch.setattr(steps_module, "h2o_fold_step", emulated_fold)
+    monkeypatch.setattr(decode_module, "runs_on_gpu", lambda: True)  # auto: fused
+    monkeypatch.setattr(fused_module, "runs_on_gpu", lambda: True)
+    monkeypatch.setattr(fused_module, "fold_step_supported", lambda *a, **k: True)
+    monkeypatch.setattr(fused_module, "h2o_fold_step", emulated_fold)
 
 
 @pytest.mark.parametrize("mode", SCORE_MODES)
@@ -181,7 +183,7 @@ def test_fold_step_path_matches_op_by_op_path(emulated_fold_kernel, mode, window
             else (lambda: QuantizedH2OKVCache(cfg, window, quant=QuantConfig(8, 32))))
     dim = D if kind == "dense" else 64
     folded, plain = make(), make()
-    plain.fold_on_gpu = False
+    plain.set_decode("compiled")
     lengths = [5] + [1] * 10 + [9] + [1] * 15 + [6] + [1] * 20
     for a, b in zip(drive(folded, lengths, 5, 30, dim), drive(plain, lengths, 5, 30, dim)):
         np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-6)
@@ -196,7 +198,7 @@ def test_masked_fused_step_after_deferred_steps(emulated_kernel):
     mask or sinks takes the fused path, which must see them folded first."""
     cfg = H2OConfig(max_size=16, sink_size=2, heavy_budget=5)
     fused, plain = H2OKVCache(cfg), H2OKVCache(cfg)
-    plain.use_fused_step = plain.defer_scores = plain.compile_ops_step = False
+    plain.set_decode("reference", defer=0)
     rngs = [np.random.default_rng(8), np.random.default_rng(8)]
     for i, L in enumerate([4] + [1] * 24):
         for cache, rng in zip((fused, plain), rngs):

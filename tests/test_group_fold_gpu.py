@@ -19,6 +19,7 @@ from mlx_h2o.kernels.packed import pack
 from mlx_h2o.kernels.quantized_reference import dequantize
 from mlx_h2o.kernels.group_fold import group_fold, group_fold_supported, layer_params
 from mlx_h2o.scores import SCORE_MODES
+from decode_steps import group_of
 
 needs_gpu = pytest.mark.skipif(backend.gpu_backend() is None,
                                reason="needs MLX with Metal or CUDA")
@@ -165,7 +166,7 @@ def test_grouped_caches_match_per_layer_on_gpu(quant):
     make_groups(grouped, size=3, use_kernel=True)
     a = run(plain, 5, [5] + [1] * 70, d=64)
     b = run(grouped, 5, [5] + [1] * 70, d=64)
-    assert grouped[0]._group._stacked is not None  # the kernel path was taken
+    assert group_of(grouped[0])._stacked is not None  # the kernel path was taken
     for x, y in zip(a[-1], b[-1]):
         np.testing.assert_allclose(x, y, rtol=2e-3, atol=2e-3)
     for p, g in zip(plain, grouped):

@@ -81,7 +81,7 @@ def test_sizes_at_budgets_above_a_sliding_window():
     assert s[:2] == [16, 16] and s[2] == 64  # the full layer cannot take the windows' slots
     s = layer_sizes([5.0, 1.0, 1.0], windows, 64, sink=4)
     assert s[0] == 16 and sum(s) == 96 and s[1] >= 16 // 4
-    # at or below the window, the rule of docs/RESULTS.md item 9 (total max_kv x layers)
+    # at or below the window, the rule of the per-layer budgets (docs/GUIDE.md; total max_kv x layers)
     assert layer_sizes([1.0, 1.0, 1.0], windows, 16, sink=4) == [16, 16, 16]
     assert sum(layer_sizes([1.0, 3.0, 9.0], windows, 16, sink=4)) == 48
 

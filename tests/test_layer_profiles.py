@@ -75,7 +75,7 @@ def test_shipped_profile_fits_the_packaged_model(name):
 
 
 def test_shipped_sizes_reproduce_the_measured_allocation():
-    # docs/RESULTS.md item 9: SmolLM2 / Gemma invtopk sizes at max_kv 256.
+    # The shipped profiles (docs/GUIDE.md, "Per-layer budgets"): SmolLM2 / Gemma invtopk sizes at max_kv 256.
     smol = layer_sizes(*_w_and_windows("smollm2-135m"), 256, 4)
     assert smol[:6] == [129, 154, 170, 297, 319, 293] and sum(smol) == 256 * 30
     gemma = layer_sizes(*_w_and_windows("gemma3-270m"), 256, 4)

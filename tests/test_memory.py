@@ -45,7 +45,7 @@ def decoder(cache, rng):
 def test_decode_below_the_budget_does_not_grow_memory(case):
     cls, mode, window = CASES[case]
     cache = cls(H2OConfig(max_size=N + 512, score=mode), window)
-    cache.defer_steps = 4
+    cache.set_decode(defer=4)
     cache.set_fold_phase(0)  # the queue with the new steps
     decode = decoder(cache, np.random.default_rng(11))
     decode(1, L=N)

@@ -32,6 +32,7 @@ from mlx_h2o.kernels import (backend, build, decode, group_fold, h2o_step,  # no
                              kv_write, quantized_gpu, queued)
 from mlx_h2o.kernels.testing import Case, check_case  # noqa: E402
 from mlx_h2o.scores import SCORE_MODES  # noqa: E402
+from decode_steps import queue_kernel_of
 
 needs_clang = pytest.mark.skipif(not metal_emu.find_cxx(),
                                  reason="no clang++ >= 17 for the emulator")
@@ -454,24 +455,28 @@ def test_a_wrong_queue_fold_is_caught_at_first_use(first_use, monkeypatch):
     """A queue fold that adds too much fails the check: a warning, the ops
     fold from then on, and the cache ends as an ops-fold cache does."""
     from mlx_h2o import H2OKVCache
-    from mlx_h2o.cache import deferred
+    from mlx_h2o.cache.decode import deferred
 
     real = deferred.queue_fold
     monkeypatch.setattr(deferred, "queue_fold",
                         lambda *a, **k: tuple(x * 1.5 for x in real(*a, **k)))
     cfg = H2OConfig(max_size=64, sink_size=2, heavy_budget=20)
     caches = [H2OKVCache(cfg), H2OKVCache(cfg)]
-    caches[1].fold_queue_on_gpu = False
-    rngs = [np.random.default_rng(2) for _ in caches]
-    with pytest.warns(RuntimeWarning, match="queue fold failed its first-use check"):
+
+    def stream(c):
+        rng = np.random.default_rng(2)
         for L in [10] + [1] * 80:
-            for c, rng in zip(caches, rngs):
-                q, k, v = (mx.array(rng.standard_normal((1, h, L, 64)).astype(np.float32))
-                           for h in (8, 2, 2))
-                keys, values = c.update_and_fetch(k, v)
-                c.h2o_attention(q, keys, values, scale=0.125, mask=c.make_mask(L))
+            q, k, v = (mx.array(rng.standard_normal((1, h, L, 64)).astype(np.float32))
+                       for h in (8, 2, 2))
+            keys, values = c.update_and_fetch(k, v)
+            c.h2o_attention(q, keys, values, scale=0.125, mask=c.make_mask(L))
+
+    with pytest.warns(RuntimeWarning, match="queue fold failed its first-use check"):
+        stream(caches[0])
+    with test_queue_fold_gpu.ops_queue_fold():
+        stream(caches[1])
     a, b = caches
-    assert first_use == {"queue fold": False} and not a._queue_kernel
+    assert first_use == {"queue fold": False} and not queue_kernel_of(a)
     assert a.evicted == b.evicted > 0
     np.testing.assert_array_equal(np.array(a.positions), np.array(b.positions))
     np.testing.assert_allclose(np.array(a.score), np.array(b.score), rtol=1e-6)
@@ -518,10 +523,10 @@ def test_metal_fused_step_first_use_check(first_use, monkeypatch, wrong):
     fused step with wrong victims is caught: a warning, and the cache ends
     exactly as an op-by-op cache does."""
     from mlx_h2o import H2OKVCache
-    from mlx_h2o.cache import steps as steps_module
+    from mlx_h2o.cache.decode import fused as fused_module
 
-    monkeypatch.setattr(steps_module, "runs_on_gpu", lambda: True)
-    monkeypatch.setattr(steps_module, "h2o_step_supported", lambda *a, **k: True)
+    monkeypatch.setattr(fused_module, "runs_on_gpu", lambda: True)
+    monkeypatch.setattr(fused_module, "h2o_step_supported", lambda *a, **k: True)
     if wrong:
         real = h2o_step.StepPlan.__call__
 
@@ -531,8 +536,8 @@ def test_metal_fused_step_first_use_check(first_use, monkeypatch, wrong):
 
         monkeypatch.setattr(h2o_step.StepPlan, "__call__", wrong_call)
     cfg = H2OConfig(max_size=32, sink_size=2, recent_budget=6, score="ema")
-    fused, ops = H2OKVCache(cfg, window_size=20), H2OKVCache(cfg, window_size=20)
-    ops.use_fused_step, ops.fold_on_gpu = False, False
+    fused = H2OKVCache(cfg, window_size=20, decode="fused")
+    ops = H2OKVCache(cfg, window_size=20, decode="reference")
     _assert_checked_like_ops(fused, ops, first_use, "fused step", wrong)
 
 
@@ -544,23 +549,21 @@ def test_metal_fold_step_first_use_check(first_use, monkeypatch, wrong):
     ops_step.fold_step and passes; a fold with wrong victims is caught, and
     the cache ends exactly as an op-path cache does."""
     from mlx_h2o.cache import QuantConfig, quantized_cache_type
-    from mlx_h2o.cache import h2o as h2o_module
-    from mlx_h2o.cache import steps as steps_module
+    from mlx_h2o.cache.decode import fused as fused_module
 
-    monkeypatch.setattr(steps_module, "runs_on_gpu", lambda: True)
-    monkeypatch.setattr(h2o_module, "fold_step_supported", lambda *a, **k: True)
+    monkeypatch.setattr(fused_module, "runs_on_gpu", lambda: True)
+    monkeypatch.setattr(fused_module, "fold_step_supported", lambda *a, **k: True)
     if wrong:
-        real = steps_module.h2o_fold_step
+        real = fused_module.h2o_fold_step
 
         def wrong_fold(*a, **k):
             res = real(*a, **k)
             return res._replace(victim=mx.zeros_like(res.victim))  # always slot 0
 
-        monkeypatch.setattr(steps_module, "h2o_fold_step", wrong_fold)
+        monkeypatch.setattr(fused_module, "h2o_fold_step", wrong_fold)
     cls = quantized_cache_type(QuantConfig(8, 64))
     cfg = H2OConfig(max_size=32, sink_size=2, recent_budget=6, score="ema")
-    kernel, ops = cls(cfg), cls(cfg)
-    ops.fold_on_gpu = False
+    kernel, ops = cls(cfg, decode="fused"), cls(cfg, decode="reference")
     _assert_checked_like_ops(kernel, ops, first_use, "fold-only step", wrong)
 
 
@@ -569,15 +572,13 @@ def _quantized_pair(monkeypatch, bits=4):
     (fold-only kernel, then its victim written by the K/V write kernel), the
     second on the ops (mx.quantize and scatters)."""
     from mlx_h2o.cache import QuantConfig, quantized_cache_type
-    from mlx_h2o.cache import h2o as h2o_module
-    from mlx_h2o.cache import steps as steps_module
+    from mlx_h2o.cache.decode import fused as fused_module
 
-    monkeypatch.setattr(steps_module, "runs_on_gpu", lambda: True)
-    monkeypatch.setattr(h2o_module, "fold_step_supported", lambda *a, **k: True)
+    monkeypatch.setattr(fused_module, "runs_on_gpu", lambda: True)
+    monkeypatch.setattr(fused_module, "fold_step_supported", lambda *a, **k: True)
     cls = quantized_cache_type(QuantConfig(bits, 32))
     cfg = H2OConfig(max_size=32, sink_size=2, recent_budget=6, score="ema")
-    kernel, ops = cls(cfg), cls(cfg)
-    ops.fold_on_gpu = False
+    kernel, ops = cls(cfg, decode="fused"), cls(cfg, decode="reference")
     return kernel, ops
 
 
@@ -612,7 +613,7 @@ def test_metal_quantized_attention_first_use_check(first_use, monkeypatch, wrong
 
     kernel, ops = _quantized_pair(monkeypatch)
     for c in (kernel, ops):  # attention then the ops fold, step by step (no CPU compile)
-        c.fold_on_gpu = c.compile_ops_step = False
+        c.set_decode("reference")
     monkeypatch.setattr(quantized, "on_gpu", lambda: True)
     if wrong:
         real = quantized_gpu.fused_quantized_attention

@@ -29,9 +29,9 @@ STREAM = [7] + [1] * 40 + [9] + [1] * 30
 
 def pair(cfg, window=None, make=H2OKVCache):
     compiled, plain = make(cfg, window), make(cfg, window)
-    plain.compile_ops_step = False
-    for c in (compiled, plain):
-        c.defer_scores = False  # decode steps below the budget take the same path
+    # Decode steps below the budget take the same path: no score queue.
+    compiled.set_decode("compiled", defer=0)
+    plain.set_decode("reference", defer=0)
     return compiled, plain
 
 
@@ -103,8 +103,8 @@ def test_compiled_mixed_steps_equal_op_by_op(monkeypatch, mode, window):
 
     caches = pair(cfg, window, make)
     calls = {"fill": 0, "evict": 0}
-    fill = caches[0]._compiled_fill
-    caches[0]._compiled_fill = lambda *a: calls.update(fill=calls["fill"] + 1) or fill(*a)
+    fill = caches[0].decode.fill
+    caches[0].decode.fill = lambda *a: calls.update(fill=calls["fill"] + 1) or fill(*a)
     evict = quantized_module.compiled_mixed_evict
 
     def counting(*a):

@@ -129,13 +129,12 @@ def test_same_scores_same_evictions(cfg):
         QuantizedH2OKVCache(cfg, quant=QuantConfig(4, GS)),
         MixedPrecisionH2OKVCache(cfg, quant=QuantConfig(8, GS, 4)),
     ]
-    caches[0].defer_scores = False  # the quantized caches do not defer either
     for c in caches:
-        # Decode steps must use the scripted attention: no compiled CPU step, no
-        # fused GPU step (each attends by itself, not through kv.attention). The
-        # scripted logits read positions, and after a GPU fold the victim slot's
-        # position is written after the attention (by the kernel): no GPU fold.
-        c.compile_ops_step = c.use_fused_step = c.fold_on_gpu = False
+        # Decode steps must use the scripted attention: the reference step (a
+        # compiled or fused step attends by itself, not through kv.attention;
+        # the scripted logits read positions, which a GPU fold writes after
+        # the attention), no score queue (the quantized caches have none).
+        c.set_decode("reference", defer=0)
         scripted_attention(c, table)
     for L in STREAM:
         _, k, v = qkv(rng, L)

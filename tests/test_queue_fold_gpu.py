@@ -14,11 +14,13 @@ import numpy as np
 import pytest
 
 from mlx_h2o import H2OConfig, H2OKVCache
-from mlx_h2o.cache.deferred import QueuedQuery, batch_fold
+import mlx_h2o.cache.decode.deferred as deferred_step
+from mlx_h2o.cache.score_queue import QueuedQuery, batch_fold
 from mlx_h2o.kernels import backend, queued, source
 from mlx_h2o.kernels.queued import queue_fold, queue_fold_supported
 from mlx_h2o.kernels.testing import queue_fold_ref64, to_np
 from mlx_h2o.scores import DEFERRABLE
+from decode_steps import queue_kernel_of
 
 needs_gpu = pytest.mark.skipif(backend.gpu_backend() is None,
                                reason="needs MLX with Metal or CUDA")
@@ -115,6 +117,14 @@ def test_queue_fold_rejects_bad_input(bad):
         queue_fold(q, k, visible, 0.1, score, count, tile=tile)
 
 
+def ops_queue_fold():
+    """A context in which score queues decide for the ops fold."""
+    patch = pytest.MonkeyPatch.context()
+    mp = patch.__enter__()
+    mp.setattr(deferred_step, "queue_fold_supported", lambda *a, **k: False)
+    return patch
+
+
 @needs_gpu
 def test_cache_keeps_the_ops_fold_when_a_queue_has_too_many_rows():
     """32 query heads per KV head: a full queue (128) is more rows than the
@@ -125,7 +135,7 @@ def test_cache_keeps_the_ops_fold_when_a_queue_has_too_many_rows():
         keys, values = cache.update_and_fetch(mx.ones((1, 2, L, 16)), mx.ones((1, 2, L, 16)))
         cache.h2o_attention(q if L == 1 else mx.zeros((1, 64, L, 16)), keys, values,
                             scale=0.25, mask=cache.make_mask(L))
-    assert queue_fold_supported(q, keys) and not cache._queue_kernel
+    assert queue_fold_supported(q, keys) and not queue_kernel_of(cache)
 
 
 @needs_gpu
@@ -135,21 +145,27 @@ def test_cache_kernel_fold_equals_ops_fold(mode):
     positions, scores equal up to float summation order."""
     cfg = H2OConfig(max_size=256, sink_size=4, heavy_budget=100, score=mode)
     caches = [H2OKVCache(cfg), H2OKVCache(cfg)]
-    caches[1].fold_queue_on_gpu = False
     for c in caches:
-        c.defer_steps = 32
+        c.set_decode(defer=32)
     B, Hq, Hk, D = 1, 8, 2, 64
-    rngs = [np.random.default_rng(5) for _ in caches]
-    for L in [40] + [1] * 300:
-        outs = []
-        for c, rng in zip(caches, rngs):
+
+    def stream(c):
+        rng, outs = np.random.default_rng(5), []
+        for L in [40] + [1] * 300:
             q, k, v = (mx.array(rng.standard_normal((B, h, L, D)).astype(np.float32))
                        .astype(mx.bfloat16) for h in (Hq, Hk, Hk))
             keys, values = c.update_and_fetch(k, v)
-            outs.append(c.h2o_attention(q, keys, values, scale=0.125, mask=c.make_mask(L)))
-        np.testing.assert_allclose(to_np(outs[0]), to_np(outs[1]), rtol=1e-2, atol=1e-2)
+            outs.append(to_np(c.h2o_attention(q, keys, values, scale=0.125,
+                                              mask=c.make_mask(L))))
+        return outs
+
+    kernel = stream(caches[0])
+    with ops_queue_fold():
+        ops = stream(caches[1])
+    for x, y in zip(kernel, ops):
+        np.testing.assert_allclose(x, y, rtol=1e-2, atol=1e-2)
     a, b = caches
-    assert a._queue_kernel and not b._queue_kernel
+    assert queue_kernel_of(a) and not queue_kernel_of(b)
     assert a.evicted == b.evicted > 0
     np.testing.assert_array_equal(np.array(a.positions), np.array(b.positions))
     np.testing.assert_allclose(np.array(a.score), np.array(b.score), rtol=1e-4, atol=1e-5)

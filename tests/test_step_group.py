@@ -19,6 +19,7 @@ from mlx_h2o.config import with_max_size
 from mlx_h2o.kernels import gpu_backend
 from mlx_h2o.scores import SCORE_MODES
 from tiny_models import VOCAB, teacher_forced, tiny_llama
+from decode_steps import queue_of, group_of, members_of
 
 D, HQ, HK, B = 8, 4, 2, 2
 
@@ -27,8 +28,6 @@ def layer_sets(cfgs):
     """Per-layer caches and the same caches in one StepGroup (reference fold)."""
     plain = [H2OKVCache(c) for c in cfgs]
     grouped = [H2OKVCache(c) for c in cfgs]
-    for c in grouped:
-        c._group = None
     make_groups(grouped, size=len(grouped), use_kernel=False)
     return plain, grouped
 
@@ -92,7 +91,7 @@ def test_group_equals_per_layer(mode, check):
     for p, g in zip(plain, grouped):
         assert_same(g, p)
         assert p.evicted > 0
-    group = grouped[0]._group
+    group = group_of(grouped[0])
     assert group._stacked is None and not group.has_pending()  # reading released it
 
 
@@ -102,8 +101,8 @@ def test_group_steps_are_taken_and_stacked():
     no per-layer fold."""
     plain, grouped = layer_sets(configs())
     run(grouped, 1, [5] + [1] * 60)
-    group = grouped[0]._group
-    assert not group.has_pending() and group._stacked == grouped
+    group = group_of(grouped[0])
+    assert not group.has_pending() and members_of(group, stacked=True) == grouped
     assert group._meta[0].shape == (3 * B, HK, 40)  # padded to the largest layer
     assert all(c._victim is v for c, v in zip(grouped, group._victims))
     # The next token's first update writes where the fold told it; no fold there.
@@ -133,19 +132,19 @@ def test_release_mid_token_and_masked_step():
         assert_same(g, p)
 
 
-def test_group_steps_false_takes_members_out():
-    """group_steps = False on grouped members mid-stream: they leave the group
+def test_a_new_decode_step_takes_members_out():
+    """A new decode step (set_decode) on grouped members mid-stream: they leave the group
     at their next step and decide as per-layer caches from then on."""
     plain, grouped = layer_sets(configs())
     for caches in (plain, grouped):
         rng = filled(caches, 6)
         if caches is grouped:
-            assert grouped[0]._group._stacked == grouped
+            group = group_of(grouped[0])
+            assert members_of(group, stacked=True) == grouped
             for c in grouped:
-                c.group_steps = False
+                c.set_decode(c.decode.kind)
         for _ in range(20):
             token(caches, 1, rng)
-    group = grouped[0]._group
     assert group._stacked is None and not group.has_pending()
     for p, g in zip(plain, grouped):
         assert_same(g, p)
@@ -180,8 +179,8 @@ def test_members_with_other_shapes_step_alone():
                        for h in (HQ, HK, HK))
             keys, values = c.update_and_fetch(k, v)
             c.h2o_attention(q, keys, values, scale=0.5, mask=c.make_mask(L))
-    group = grouped[0]._group
-    assert group._stacked == [grouped[0]]
+    group = group_of(grouped[0])
+    assert members_of(group, stacked=True) == [grouped[0]]
     assert grouped[1].evicted > 0 and grouped[1].positions.shape[2] == 20
 
 
@@ -189,10 +188,10 @@ def test_factory_groups_only_with_a_gpu_backend():
     model = tiny_llama(num_hidden_layers=5)
     caches = make_h2o_cache(model, H2OConfig(max_size=16), layer_budget="uniform")
     on_gpu = gpu_backend() is not None and mx.default_device() == mx.gpu
-    assert all((c._group is not None) == on_gpu for c in caches)
+    assert all((group_of(c) is not None) == on_gpu for c in caches)
     groups = make_groups(caches, size=2, use_kernel=False)
     assert [len(g.members) for g in groups] == [2, 2, 1]
-    assert all(c._group is g for g in groups for c in g.members)
+    assert all(group_of(c) is g for g in groups for c in members_of(g))
     assert make_groups(caches, size=0) == []
 
 
@@ -204,8 +203,6 @@ def test_model_decode_matches_per_layer_caches():
     tokens = mx.array(np.random.default_rng(5).integers(0, VOCAB, (1, 70)))
     plain = make_h2o_cache(model, cfg, layer_budget="uniform")
     grouped = make_h2o_cache(model, cfg, layer_budget="uniform")
-    for c in grouped:
-        c._group = None
     make_groups(grouped, use_kernel=False, size=len(grouped))
     a = teacher_forced(model, plain, tokens, prefill=8)
     b = teacher_forced(model, grouped, tokens, prefill=8)
@@ -224,7 +221,7 @@ def test_quantized_group_equals_per_layer(bits):
     cfgs = configs(sizes=(24, 40))
     plain, grouped = [qt(c) for c in cfgs], [qt(c) for c in cfgs]
     make_groups(grouped, size=2, use_kernel=False)
-    assert grouped[0]._group is not None and grouped[0]._group is grouped[1]._group
+    assert group_of(grouped[0]) is not None and group_of(grouped[0]) is group_of(grouped[1])
     quantized_runs_agree(plain, grouped)
 
 
@@ -249,7 +246,8 @@ def quantized_runs_agree(plain, grouped):
 def test_mixed_precision_caches_stay_per_layer():
     qt = quantized_cache_type(QuantConfig(8, 32, recent_bits=4))
     caches = [qt(c) for c in configs(sizes=(24, 24))]
-    assert caches[0].group_steps  # yet no group: an eviction moves tokens between zones
+    assert caches[0].decode.kind != "reference"  # yet no group: an eviction moves tokens
+    assert not caches[0].groupable()  # between zones
     assert make_groups(caches, size=2, use_kernel=False) == []
 
 
@@ -269,9 +267,9 @@ def test_loaded_caches_are_linked_as_made(tmp_path, monkeypatch):
     save_prompt_cache(file, live)
     loaded = load_prompt_cache(file)
     fresh = make_h2o_cache(model, cfg, layer_budget="uniform")
-    phases = [c._queue._head_start for c in loaded]
-    assert phases == [c._queue._head_start for c in fresh] and len(set(phases)) > 1
-    sizes = lambda cs: sorted(len(g.members) for g in {id(c._group): c._group for c in cs}.values())  # noqa: E731
+    phases = [queue_of(c)._head_start for c in loaded]
+    assert phases == [queue_of(c)._head_start for c in fresh] and len(set(phases)) > 1
+    sizes = lambda cs: sorted(len(g.members) for g in {id(group_of(c)): group_of(c) for c in cs}.values())  # noqa: E731
     assert sizes(loaded) == sizes(live) == [1, 2, 2]
     nxt = mx.array(np.random.default_rng(4).integers(0, VOCAB, (1, 12)))
     a = teacher_forced(model, live, nxt, prefill=1)
@@ -290,9 +288,9 @@ def test_deep_copy_goes_on_as_the_original():
     _, grouped = layer_sets(configs())
     run(grouped, 1, [5] + [1] * 40)
     copies = copy.deepcopy(grouped)
-    group = copies[0]._group
-    assert group is not grouped[0]._group and group.members == copies
-    assert all(c._group is group for c in copies)
+    group = group_of(copies[0])
+    assert group is not group_of(grouped[0]) and members_of(group) == copies
+    assert all(group_of(c) is group for c in copies)
     a, b = run(grouped, 2, [1] * 20), run(copies, 2, [1] * 20)
     for x, y in zip(a, b):
         for u, v in zip(x, y):

@@ -1,4 +1,4 @@
-"""The evicting steady state's fast path (Slots._into_victim, _write_decode_victim).
+"""The evicting steady state's fast path (SlotCache._into_victim, _write_picked_victim).
 
 A full cache whose fused step, compiled CPU step or group fold picked the
 next victim writes its decode token there without the general path's checks.
@@ -91,8 +91,8 @@ def counting(monkeypatch):
     taken = []
     into = H2OKVCache._into_victim
 
-    def counted(self, keys):
-        takes = into(self, keys)
+    def counted(self):
+        takes = into(self)
         if takes:
             taken.append(self)
         return takes
@@ -111,7 +111,7 @@ def test_fast_path_changes_nothing(kind, mode, monkeypatch):
     n_fast = len(taken)
     assert n_fast > 100  # the steady state really took it
 
-    monkeypatch.setattr(H2OKVCache, "_into_victim", lambda self, keys: False)
+    monkeypatch.setattr(H2OKVCache, "_into_victim", lambda self: False)
     without = make(configs(mode))
     b = play(without, 3, d)
     assert len(taken) == n_fast and len(a) == len(b)  # off means off
@@ -127,7 +127,7 @@ def test_fast_path_keeps_the_scores_check():
     caches = per_layer(configs())
     play(caches, 2, D, [5] + [1] * 40)
     c = caches[0]
-    assert c._victim is not None and c._into_victim(mx.zeros((B, HK, 1, D)))
+    assert c._victim is not None and c._into_victim()
     k = mx.zeros((B, HK, 1, D))
     c.update_and_fetch(k, k)
     with pytest.raises(RuntimeError, match="before the attention"):
@@ -151,7 +151,7 @@ def test_fast_path_declines_where_the_general_path_does_more(case, monkeypatch):
     runs = []
     for fast in (True, False):
         if not fast:
-            monkeypatch.setattr(H2OKVCache, "_into_victim", lambda self, keys: False)
+            monkeypatch.setattr(H2OKVCache, "_into_victim", lambda self: False)
         caches = per_layer(cfgs)
         play(caches, 4, D, script)
         rng = np.random.default_rng(7)

@@ -20,6 +20,8 @@ import numpy as np
 from mlx_lm.models import llama
 
 import mlx_h2o
+from mlx_h2o.cache.decode.fused import FusedStep
+from mlx_h2o.cache.decode.grouped import GroupedStep
 from mlx_h2o import H2OConfig, make_h2o_cache
 from mlx_h2o.kernels import gpu_backend
 
@@ -50,22 +52,21 @@ def on_path(cache, path: str):
     (the fused step per layer) or "ops" (op by op). The one place that knows
     the caches' switches."""
     for c in cache:
-        c.use_fused_step = path != "ops"
         if path != "group":
-            c.group_steps = False
-            c._group = None
+            c.set_decode("reference" if path == "ops" else "fused")
     return cache
 
 
 def took(cache, path: str) -> bool:
     """Whether the caches really decoded by ``path``."""
     if path == "fused":
-        return all(c._plan is not None for c in cache)
+        return all(c.decode.find(FusedStep).plan is not None for c in cache)
     if path == "group":
         return all(
-            c._group is not None and c._group._stacked is not None for c in cache
+            c.decode.find(GroupedStep) is not None
+            and c.decode.find(GroupedStep).group._stacked is not None for c in cache
         )
-    return all(c._plan is None for c in cache)
+    return all(c.decode.find(FusedStep) is None for c in cache)
 
 
 def teacher_forced(model, cache, tokens, prefill):

@@ -2,7 +2,7 @@
 
 A full cache with ``evict_batch`` > 1 evicts that many tokens at once, then
 appends decode tokens until it is full again. The event folds the queued decode
-queries' scores (cache/deferred.py's fold_step), ranks the slots (policy) and reorders
+queries' scores (cache/score_queue.py's fold_step), ranks the slots (policy) and reorders
 K, V and the metadata in one pass: kept slots first (best first), evicted
 ones after them (worst first: the next appends overwrite those first;
 decode steps attend the rest until then).
@@ -18,7 +18,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from .. import policy
-from .deferred import fold_step
+from .score_queue import fold_step
 
 
 @lru_cache(maxsize=32)

@@ -9,9 +9,12 @@ with MLX's SDPA and pushes its query here; the last member's push folds every
 pushed query and picks every member's next victim at once (kernels.group_fold),
 in the same token's graph. The decisions are those of the per-layer step.
 
-While members take group steps, their positions / score / count live here,
-stacked (``_stack``); any other use of a member's metadata releases the group
-(folds what is pending, hands every member its rows back).
+Members are GroupedStep decode steps (cache/decode/grouped.py); the group
+reads their caches through ``slot_metadata`` / ``set_slot_metadata`` and
+hands each its next victim through ``take_victim``. While members take group
+steps, their positions / score / count live here, stacked (``_stack``); any
+other use of a member's metadata releases the group (folds what is pending,
+hands every member its rows back).
 """
 
 import copy
@@ -59,16 +62,16 @@ class StepGroup:
         new.members = [copy.deepcopy(m, memo) for m in self.members]
         return new
 
-    def add(self, cache) -> None:
-        self.members.append(cache)
-        cache._group = self
+    def add(self, member) -> None:
+        self.members.append(member)
 
     # --- what members call ------------------------------------------------------
-    def takes(self, cache, queries: mx.array) -> bool:
-        """Whether ``cache``'s decode query can be folded here: every member's
+    def takes(self, member, queries: mx.array) -> bool:
+        """Whether ``member``'s decode query can be folded here: every member's
         queries and keys must have the first member's shapes and dtypes."""
-        kind = getattr(cache.kv, "group_kind", None)
-        sig = (queries.shape, queries.dtype, cache._positions.shape[1], kind,
+        cache = member.cache
+        kind = cache.kv.group_kind
+        sig = (queries.shape, queries.dtype, cache.slot_metadata()[0].shape[1], kind,
                mx.default_device())
         known = self._sig
         if known is None:
@@ -77,8 +80,8 @@ class StepGroup:
                                  kernel)
         return known[1] and known[0] == sig
 
-    def push(self, cache, queries: mx.array, scale: float, out: mx.array) -> mx.array:
-        """``cache`` wrote its token into ``cache._slot`` and attended (``out``):
+    def push(self, member, queries: mx.array, slot: mx.array, out: mx.array) -> mx.array:
+        """``member`` wrote its token into ``slot`` and attended (``out``):
         fold later. Returns ``out``, made to depend on the fold when this was the
         last member to push.
 
@@ -87,20 +90,18 @@ class StepGroup:
         buffer only once the fold's launch has finished on the GPU; folding
         at the next token's start made some writes copy the whole buffer and
         changed a token's kernel list (CUDA-graph updates on the host)."""
-        self._pending[id(cache)] = (cache, queries, cache._slot)
-        cache._group_scale = scale
-        cache._slot, cache._meta_pending, cache._pending = None, False, False
+        self._pending[id(member)] = (member, queries, slot)
         if len(self._pending) == len(self.members):
             self.flush()
             return mx.depends(out, self._meta[0])
         return out
 
-    def holds(self, cache) -> bool:
-        return id(cache) in self._pending or id(cache) in self._ids
+    def holds(self, member) -> bool:
+        return id(member) in self._pending or id(member) in self._ids
 
-    def waits_for(self, cache) -> bool:
-        """Whether ``cache``'s last query is not folded yet."""
-        return id(cache) in self._pending
+    def waits_for(self, member) -> bool:
+        """Whether ``member``'s last query is not folded yet."""
+        return id(member) in self._pending
 
     def has_pending(self) -> bool:
         return bool(self._pending)
@@ -121,54 +122,57 @@ class StepGroup:
         # In members' order. This runs once a token on the host-bound decode
         # path (~50 us of Python on an H200 host, docs/DESIGN.md).
         items = [pending[id(m)] for m in self.members if id(m) in pending]
-        caches, queries, slots = zip(*items)
-        if self._stacked is not None and not self._continues(caches, slots):
+        members, queries, slots = zip(*items)
+        if self._stacked is not None and not self._continues(members, slots):
             self._unstack()
         if self._stacked is None:
-            self._stack(list(caches), slots)
+            self._stack(list(members), slots)
+        caches = [m.cache for m in members]
         offsets = [c.offset for c in caches]
         if self._sig[2]:  # pending queries passed takes(): the signature is set
             res = self._fold_checked(caches, queries, offsets)
         else:
             res = self._fold_reference(caches, queries, offsets)
         *self._meta, self._slot, self._victims = res
-        for c, v in zip(caches, self._victims):
-            c._victim = v
+        for m, v in zip(members, self._victims):
+            m.take_victim(v)
 
     # --- stacking ---------------------------------------------------------------
-    def _continues(self, caches, slots) -> bool:
+    def _continues(self, members, slots) -> bool:
         """The same members as the stacked ones, each having written where told."""
-        return (len(caches) == len(self._stacked) and all(map(is_, caches, self._stacked))
+        return (len(members) == len(self._stacked) and all(map(is_, members, self._stacked))
                 and all(map(is_, slots, self._victims)))
 
-    def _stack(self, caches, slots) -> None:
-        M = max(c._positions.shape[2] for c in caches)
+    def _stack(self, members, slots) -> None:
+        caches = [m.cache for m in members]
+        metas = [c.slot_metadata() for c in caches]
+        M = max(meta[0].shape[2] for meta in metas)
 
         def pad(a):
             extra = M - a.shape[2]
             return a if extra == 0 else mx.pad(a, [(0, 0), (0, 0), (0, extra)])
 
-        self._meta = [mx.concatenate([pad(getattr(c, name)) for c in caches], axis=0)
-                      for name in ("_positions", "_score", "_count")]
+        self._meta = [mx.concatenate([pad(meta[i]) for meta in metas], axis=0)
+                      for i in range(3)]
         # (n * B, Hk, 1, 1), 4-d as the kernel's victims that follow: a
         # precompiled kernel is one build per input ndim (kernels/cubin.py).
         self._slot = mx.concatenate([(s if s.ndim == 4 else s[..., None])[..., :1]
                                      for s in slots], axis=0)
-        self._stacked, self._ids = caches, frozenset(id(c) for c in caches)
-        lay_i = [layer_params(0, c.config.sink_size, c.config.recent_budget, c._n,
+        self._stacked, self._ids = members, frozenset(id(m) for m in members)
+        lay_i = [layer_params(0, c.config.sink_size, c.config.recent_budget, c.slots_used,
                               c.kv.capacity) for c in caches]
         self._lay_i = np.array(lay_i, dtype=np.int32)
-        lay_f = [[c._group_scale, c.config.ema_alpha, 1.0 - c.config.ema_alpha, 0.0]
-                 for c in caches]
+        lay_f = [[m.scale, m.cache.config.ema_alpha, 1.0 - m.cache.config.ema_alpha, 0.0]
+                 for m in members]
         self._lay_f = mx.array(lay_f, dtype=mx.float32)
         self._lay_next = self._plan = None
 
     def _unstack(self) -> None:
         pos, score, count = self._meta
         B = pos.shape[0] // len(self._stacked)
-        for i, c in enumerate(self._stacked):
-            rows, cap = slice(i * B, (i + 1) * B), c._positions.shape[2]
-            c._positions, c._score, c._count = (
+        for i, m in enumerate(self._stacked):
+            rows, cap = slice(i * B, (i + 1) * B), m.cache.slot_metadata()[0].shape[2]
+            m.cache.set_slot_metadata(
                 pos[rows, :, :cap], score[rows, :, :cap], count[rows, :, :cap])
         self._stacked, self._ids, self._meta, self._slot, self._victims = (
             None, frozenset(), None, None, None)
@@ -229,11 +233,11 @@ class StepGroup:
         pos, score, count = self._meta
         B = pos.shape[0] // len(caches)
         outs = []
-        for i, (c, offset) in enumerate(zip(caches, offsets)):
-            rows = slice(i * B, (i + 1) * B)
+        for i, (m, offset) in enumerate(zip(self._stacked, offsets)):
+            c, rows = m.cache, slice(i * B, (i + 1) * B)
             width = 1 if c.kv.group_kind[0] == "quantized" else None
-            outs.append(fold_layer(c.config, queries[i], c.kv.dense_keys(c._n), c._n,
-                                   c._group_scale, offset, pos[rows], score[rows],
+            outs.append(fold_layer(c.config, queries[i], c.kv.dense_keys(c.slots_used),
+                                   c.slots_used, m.scale, offset, pos[rows], score[rows],
                                    count[rows], self._slot[rows], width))
         pos, score, count, victim = (mx.concatenate(x, axis=0) for x in zip(*outs))
         return pos, score, count, victim, [o[3] for o in outs]
@@ -278,7 +282,7 @@ def make_groups(caches, size: Optional[int] = None, use_kernel=None) -> List[Ste
     Metal binds few buffers per kernel; no groups without a GPU backend)."""
     by_key = {}
     for c in caches:
-        if getattr(c, "groupable", lambda: False)():
+        if c.groupable():
             key = (c.config.score, c.config.pinned, c.kv.group_kind)
             by_key.setdefault(key, []).append(c)
     groups = []
@@ -287,6 +291,6 @@ def make_groups(caches, size: Optional[int] = None, use_kernel=None) -> List[Ste
         for i in range(0, len(same) if n > 0 else 0, max(n, 1)):
             g = StepGroup(use_kernel)
             for c in same[i:i + n]:
-                g.add(c)
+                c.join_group(g)
             groups.append(g)
     return groups

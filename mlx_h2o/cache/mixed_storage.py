@@ -22,6 +22,8 @@ class MixedKV:
     """
 
     group_kind = None  # an eviction moves tokens between zones: no group steps
+    plain = False
+    moves_on_evict = True
 
     def __init__(self, hi_bits: int, lo_bits: int, group_size: int, split: int):
         self.hi = QuantizedKV(hi_bits, group_size)

@@ -3,7 +3,7 @@
 ``QuantizedH2OKVCache`` stores K/V as MLX affine-quantized triples at one
 width. ``MixedPrecisionH2OKVCache`` keeps sinks, pinned tokens and heavy
 hitters at ``bits`` and the recent window at ``recent_bits`` (see
-docs/QUANTIZED.md for how a token changes zone and what it costs). The slot
+docs/DESIGN.md, "Quantized storage", for how a token changes zone and what it costs). The slot
 bookkeeping (positions, scores, victims, compaction, trim) is the dense
 cache's; only the storage differs.
 """
@@ -21,7 +21,7 @@ from ..kernels.quantized_reference import BITS, check_quantization
 from .h2o import H2OKVCache
 from .io import register_cache_class
 from .mixed_storage import MixedKV
-from .ops_step import int_array, slot_priority, zone_arrays
+from .ops_step import slot_priority
 from .quantized_storage import QuantizedKV
 from .storage import fresh_slot, put_slot, take_slots
 
@@ -98,6 +98,7 @@ class QuantizedH2OKVCache(H2OKVCache):
         config: H2OConfig,
         window_size: int | None = None,
         quant: QuantConfig = QuantConfig(),
+        decode: str = "auto",
     ):
         if not isinstance(quant, QuantConfig):
             raise TypeError(f"quant must be a QuantConfig, got {type(quant).__name__}")
@@ -105,7 +106,7 @@ class QuantizedH2OKVCache(H2OKVCache):
         self.quant = quant
         # The base class builds storage with storage_cls(): bind our widths.
         self.storage_cls = self._make_storage
-        super().__init__(config, window_size)
+        super().__init__(config, window_size, decode)
 
     @staticmethod
     def _check_quant(quant, config):
@@ -151,9 +152,8 @@ class MixedPrecisionH2OKVCache(QuantizedH2OKVCache):
     values it was written with) and writes the new token into its slot.
     """
 
-    storage_cls = MixedKV
-    fold_on_gpu = False  # an eviction here also moves a token between zones
-    batch_eviction = False  # likewise (its storage's gather is per zone)
+    storage_cls = MixedKV  # its eviction moves a token between zones (no
+    # fold kernel, no batched eviction: cache/decode/__init__.py)
 
     @staticmethod
     def _check_quant(quant, config):
@@ -168,49 +168,16 @@ class MixedPrecisionH2OKVCache(QuantizedH2OKVCache):
             q.bits, q.recent_bits, q.group_size, cfg.max_size - cfg.recent_budget
         )
 
-    # --- compiled CPU steps of a full cache: its eviction, then attention + fold ---
-    def _compiled_kind(self):
-        if type(self.kv) is not MixedKV:
-            return None
-        return ("quantized", self.kv.segment_bits(self._n), self.kv.hi.group_size)
-
-    def _steps_compiled(self, queries, mask, sinks) -> bool:
-        return False  # the eviction moves a token between zones: _write_into_victim
-
-    def _fills_compiled(self, queries, mask, sinks) -> bool:
-        """A full cache's step, after update_and_fetch evicted and wrote the
-        token and its metadata: attention and fold in one compiled call."""
-        return (not self._meta_pending and self._n == self.kv.capacity
-                and self._compiles_here(queries, mask, sinks))
-
-    def _fill_inputs(self):
-        return self.kv.fetch(self._n)  # both zones' triples (n == capacity)
-
     def _write_into_victim(self, keys, values):
-        kv, cfg = self.kv, self.config
-        if self._evicts_compiled():
-            step = compiled_mixed_evict(cfg, self.window_size, kv.hi.bits, kv.lo.bits,
-                                        kv.hi.group_size, kv.split)
-            out = step(kv.hi.keys, kv.hi.values, kv.lo.keys, kv.lo.values, self._positions,
-                       self._score, self._count, keys, values,
-                       mx.array(self.offset, mx.int32),
-                       *zone_arrays(cfg.sink_size, cfg.recent_budget), int_array(kv.split))
-            kv.hi.keys, kv.hi.values, kv.lo.keys, kv.lo.values = (
-                tuple(out[i : i + 3]) for i in (0, 3, 6, 9))
-            self._positions, self._score, self._count, target = out[12:]
-        else:
-            *meta, target = mixed_evict(cfg, self.window_size, kv, self.positions,
-                                        self.score, self.count, self._n, keys, values,
-                                        self.offset)
-            self.positions, self.score, self.count = meta
+        """The policy's victim leaves; a high-zone victim's slot takes the
+        oldest recent token, whose slot takes this one (mixed_evict)."""
+        *meta, target = mixed_evict(self.config, self.window_size, self.kv, self.positions,
+                                    self.score, self.count, self._n, keys, values,
+                                    self.offset)
+        self.positions, self.score, self.count = meta
+        self._meta_pending = False
         self.evicted += 1
         return target
-
-    def _evicts_compiled(self) -> bool:
-        """On the CPU, a full cache's eviction runs as one compiled call."""
-        return (self.compile_ops_step and mx.default_device() == mx.cpu
-                and type(self.kv) is MixedKV
-                and self._n == self.kv.capacity == self._positions.shape[2])
 
 
 def mixed_evict(config, window_size, kv, positions, score, count, n, keys, values, offset,

@@ -118,6 +118,8 @@ class QuantizedKV:
     # also hands the group step's SDPA the dequantized K/V (kernels/kv_write.py);
     # False: mx.quantize + six scatters (+ two mx.dequantize in ``sdpa``).
     fused_write = True
+    plain = False  # triples: no fused step, score queue or batch event
+    moves_on_evict = False
 
     def __init__(self, bits: int = 8, group_size: int = 64):
         self.bits, self.group_size = bits, group_size
@@ -289,7 +291,7 @@ class QuantizedKV:
             a[..., :n, :] for a in self.values
         )
 
-    def _as_triples(self, keys, values):
+    def triples(self, keys, values):
         """``fetch``'s result as triples (a packed write's dense K/V: the stored ones)."""
         if isinstance(keys, tuple):
             return keys, values
@@ -297,7 +299,7 @@ class QuantizedKV:
         return self._triples(keys.shape[2])
 
     def attention(self, queries, keys, values, *, scale, mask, sinks):
-        keys, values = self._as_triples(keys, values)
+        keys, values = self.triples(keys, values)
         return attend(
             queries,
             keys,
@@ -322,7 +324,7 @@ class QuantizedKV:
         if dense is not None and dense[0] is self._packed and dense[1] is keys:
             # the packed write's K/V
             return mx.fast.scaled_dot_product_attention(queries, *dense[1:], scale=scale)
-        keys, values = self._as_triples(keys, values)
+        keys, values = self.triples(keys, values)
         if mx.default_device() == mx.gpu:
             k, v = (mx.dequantize(*t, group_size=gs, bits=bits) for t in (keys, values))
             return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
@@ -338,7 +340,7 @@ class QuantizedKV:
     def dense(self, keys, values, dtype):
         """Fetched K / V dequantized in ``dtype`` (a window-scored prompt chunk
         attends them with MLX's SDPA instead of computing every row's logits)."""
-        keys, values = self._as_triples(keys, values)
+        keys, values = self.triples(keys, values)
         return tuple(dequantize(t, bits=self.bits, group_size=self.group_size, dtype=dtype)
                      for t in (keys, values))
 

@@ -1,26 +1,74 @@
-"""How H2OKVCache places tokens in its slots and takes them out.
+"""SlotCache: the slot state of an H2O cache and how tokens enter and leave it.
 
-A mixin of H2OKVCache (cache/h2o.py), which owns the state: appends and
-growth, the per-step victim chosen by the op-by-op path, compaction of a
-prompt past the budget, batched eviction (``evict_batch``) and the
-attention masks that slot order (not token order) needs.
+Storage is slot based: preallocated (B, n_kv_heads, slots, D) buffers (the
+storage object, ``kv``) with a token position, a score and a count per slot.
+A decode step that evicts writes its token into the victim's slot (per
+sequence and KV head), so slot order is not token order and masks come from
+positions. This class holds that state and the moves on it: appends and
+growth, the policy's victim, compaction past the budget, gathers, the op-by-op
+score fold and masks.
+H2OKVCache (cache/h2o.py) adds mlx-lm's cache contract on top; its decode
+step (cache/decode/) decides when each move runs.
 """
+
+from typing import Optional
 
 import mlx.core as mx
 
 from .. import policy
-from .batch import batch_event
+from ..config import H2OConfig, check_window_size
+from ..kernels import scaled_dot_product_attention_with_scores
 from .ops_step import slot_priority
 from .storage import DenseKV, fresh_slot, resize_slots, take_slots
 
 
-class Slots:
-    """Slot bookkeeping of H2OKVCache: appends, victims, compaction, masks."""
+def _synced(name):
+    """Slot metadata read through this property is up to date: the decode
+    step folds what it holds back first (queued scores, a group's stack)."""
+    attr = "_" + name
 
-    # config.evict_batch > 1 applies (subclasses that move tokens between
-    # storage zones on eviction opt out).
-    batch_eviction = True
+    def get(self):
+        self.decode.sync()
+        return getattr(self, attr)
 
+    def put(self, value):
+        self.decode.sync()
+        setattr(self, attr, value)
+
+    return property(get, put)
+
+
+class SlotCache:
+    """Slots, their metadata and the moves on them."""
+
+    storage_cls = DenseKV
+
+    positions = _synced("positions")  # (B, Hk, cap) int32 token position per slot
+    score = _synced("score")  # (B, Hk, cap) float32 accumulated score
+    count = _synced("count")  # (B, Hk, cap) float32 queries that saw the slot
+
+    def __init__(self, config: H2OConfig, window_size: Optional[int] = None):
+        if not isinstance(config, H2OConfig):
+            raise TypeError(f"config must be an H2OConfig, got {type(config).__name__}")
+        self.config = config
+        self.window_size = check_window_size(window_size)
+        self.kv = self.storage_cls()
+        self._positions = self._score = self._count = None
+        self.offset = 0  # tokens seen
+        self.evicted = 0  # tokens evicted per (sequence, KV head)
+        self._n = 0  # slots in use
+        # Slots n..capacity hold tokens a batch eviction dropped (evict_batch):
+        # deferred decode steps attend them until new tokens overwrite them.
+        self._lingering = False
+        self._slot = None  # (B, Hk, 1[, D]) slot this step's token overwrote
+        self._meta_pending = False  # this step's token has no position / scores yet
+        self._victim = None  # (B, Hk, 1, ·) slot of the next decode token, picked ahead
+
+    @property
+    def max_size(self) -> int:
+        return self.config.max_size
+
+    # --- appends ----------------------------------------------------------------
     def _append(self, keys, values, meta=True):
         L, n = keys.shape[2], self._n
         need = n + L
@@ -28,6 +76,7 @@ class Slots:
             self._grow(need, keys, values)
         self.kv.write(n, keys, values)
         self._n = need
+        self._meta_pending = not meta
         if meta:
             self._write_append_meta(n, L, self.offset)
 
@@ -37,7 +86,7 @@ class Slots:
         self.count[..., n : n + L] = 0.0
 
     def _write_pending_meta(self):
-        """The last decode token's position and scores, when no fused step wrote them."""
+        """The last decode token's position and scores, when no kernel wrote them."""
         if self._slot is None:
             self._write_append_meta(self._n - 1, 1, self.offset - 1)
             self._meta_pending = False
@@ -55,6 +104,7 @@ class Slots:
         self.score = resize_slots(self.score, n, shape, mx.float32)
         self.count = resize_slots(self.count, n, shape, mx.float32)
 
+    # --- victims ----------------------------------------------------------------
     def _priority(self, offset):
         n = self._n
         pos = self.positions[..., :n]
@@ -62,6 +112,7 @@ class Slots:
         return slot_priority(self.config, pos, score, count, offset, self.window_size), pos
 
     def _write_into_victim(self, keys, values):
+        """The policy's victim takes this decode token: its slot (B, Hk, 1)."""
         pri, pos = self._priority(self.offset + 1)
         # int32: a fused step may read it next (argmin gives uint32).
         slot = policy.select_victim(pri, pos).astype(mx.int32)[..., None]  # (B, Hk, 1)
@@ -70,29 +121,20 @@ class Slots:
         self.evicted += 1
         return slot
 
-    def _into_victim(self, keys) -> bool:
-        """Whether this decode token goes straight into the victim that a fused
-        step, a compiled step or the group picked (``_victim``, checked by the
-        caller): the full cache's steady state, where the general path of
-        update_and_fetch would neither append, compact nor evict a batch. (A
-        group member still waiting for its fold has no victim yet, and a
-        cache lingers only after a batch eviction.)"""
-        cfg = self.config
-        return (keys.shape[2] == 1 and self._n == cfg.max_size
-                and (cfg.evict_batch == 1 or not self.batch_eviction))
+    def _into_victim(self) -> bool:
+        """Whether this decode token goes straight into the victim the last
+        step picked ahead: the full cache's steady state (a cache past its
+        budget compacts first; after a trim or a batch eviction none is held)."""
+        return self._victim is not None and self._n == self.max_size
 
-    def _write_decode_victim(self, keys, values):
-        """What the general path does for that token, without its checks:
-        every layer of an evicting decode runs it every token, and decode is
-        host bound on the GPU (docs/DESIGN.md)."""
+    def _write_picked_victim(self, keys, values, for_sdpa=False):
+        """This decode token into the victim the last step picked ahead
+        (``_victim``), its metadata left to the step's kernel or fold."""
         victim = self._victim
-        self.token_bytes = keys.nbytes + values.nbytes
-        self.kv.write_index(victim, keys, values, for_sdpa=self._group is not None)
+        self.kv.write_index(victim, keys, values, for_sdpa=for_sdpa)
         self._slot, self._victim = victim, None
-        self._meta_pending = self._pending = True
+        self._meta_pending = True
         self.evicted += 1
-        self.offset += 1
-        return self.kv.fetch(self._n)
 
     def _write_slot_meta(self, slot, position=None):
         """Position of the token written into ``slot``, with fresh scores."""
@@ -101,41 +143,7 @@ class Slots:
             self.positions, self.score, self.count, slot, position)
         self._meta_pending = False
 
-    # --- batched eviction (config.evict_batch > 1) -------------------------------
-    def _batched(self) -> bool:
-        return self.batch_eviction and self.config.evict_batch > 1
-
-    def _evict_batch(self):
-        """Evict ``evict_batch`` tokens of a full cache at once: the kept ones go
-        first (best first), the evicted ones after them, and the next
-        decode tokens append (slice updates) over the evicted ones, which
-        decode steps still attend until then (the whole buffer, as
-        RotatingKVCache: no slice per step)."""
-        self._leave_group()
-        n = self._n
-        keep = n - self.config.evict_batch
-        if type(self.kv) is DenseKV and self.window_size is None and n == self.kv.capacity:
-            self._batch_event(keep)  # one pass (cache/batch.py)
-        else:
-            # As the per-step victim choice; reading the metadata folds the queue.
-            pri, pos = self._priority(self.offset + 1)
-            self._gather(policy.keep_then_evict(pri, pos, keep))
-            self._score[..., keep:] = 0.0  # appended tokens start unscored
-            self._count[..., keep:] = 0.0
-        self._n = keep
-        self.evicted += n - keep
-        self._lingering = self._may_defer() and n == self.kv.capacity
-        self._event_lazy = True
-
-    def _batch_event(self, keep):
-        items, kv = self._queue.take(), self.kv
-        queries = [it.queries for it in items] if items else None
-        kv.keys, kv.values, self._positions, self._score, self._count = batch_event(
-            queries, kv.keys, kv.values, self._positions, self._score, self._count,
-            self.offset, n0=items[0].n if items else 0,
-            scale=items[0].scale if items else 1.0, keep=keep, config=self.config)
-        self._victim = None
-
+    # --- compaction -------------------------------------------------------------
     def _compact(self):
         pri, pos = self._priority(self.offset)
         self.evicted += self._n - self.max_size
@@ -151,7 +159,59 @@ class Slots:
         self.count = take_slots(self.count, slots, n)
         self._n = slots.shape[-1]
 
-    # --- masks ----------------------------------------------------------------
+    # --- scores -----------------------------------------------------------------
+    def _attention(self, queries, keys, values, scale, mask, sinks):
+        """(out, logits, lse); logits / lse of the rows that will be folded only."""
+        W = self.config.prefill_window
+        if not self._scored_by_window(queries.shape[2]):
+            return self.kv.attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        # Only the window's scores are folded: MLX's SDPA attends the whole
+        # chunk, and logits come for the last W queries alone (a 2K chunk's
+        # float32 logits were ~1 GB per layer for an 8B model).
+        keys, values = self.kv.dense(keys, values, queries.dtype)
+        out = mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        _, logits, lse = scaled_dot_product_attention_with_scores(
+            queries[:, :, -W:], keys, values, scale=scale, mask=_last_rows(mask, W),
+            sinks=sinks)
+        return out, logits, lse
+
+    def _scored_by_window(self, L) -> bool:
+        """A chunk that overflows is scored by its last ``prefill_window`` queries
+        (global layers, dense or quantized storage; W > 1 so that neighbour
+        pooling applies as before)."""
+        W = self.config.prefill_window
+        return L > W > 1 and self._n > self.max_size and self.window_size is None
+
+    def _fold_ops(self, logits, lse, L):
+        """Fold this step's scores op by op, then compact a chunk that overflowed.
+
+        ``L``: the call's query count (``logits`` may hold only its window)."""
+        n, cfg = self._n, self.config
+        # Only a chunk that overflows the budget is scored by its window (SnapKV).
+        over = n > self.max_size
+        score, count = self.score[..., :n], self.count[..., :n]
+        if over and self._replaces_window(L):
+            score, count = mx.zeros_like(score), mx.zeros_like(count)
+        score, count = policy.fold_scores(
+            cfg.score, score, count, logits, lse,
+            cfg.ema_alpha, cfg.prefill_window if over else 0,
+            self.positions[..., :n], cfg.prefill_pool if over else 0,
+        )
+        self.score[..., :n] = score
+        self.count[..., :n] = count
+        self._pending = False
+        if over and cfg.prefill_compact == "chunk":
+            self._compact()  # "prompt" waits for the first decode step
+
+    def _replaces_window(self, L) -> bool:
+        """A later chunk of a prompt left uncompacted: its window alone decides."""
+        cfg = self.config
+        return (cfg.prefill_compact == "prompt" and 0 < cfg.prefill_window <= L
+                and self._n - L > self.max_size)
+
+
+    # --- masks ------------------------------------------------------------------
     def _mask(self, L, mask):
         own = self._position_mask(L)
         if not isinstance(mask, mx.array):
@@ -168,3 +228,31 @@ class Slots:
         q = mx.arange(self.offset - L, self.offset)[:, None]  # (L, 1)
         k = self.positions[..., None, : self._n]  # (B, Hk, 1, n)
         return (k <= q) & (k > q - self.window_size)  # (B, Hk, L, n)
+
+    # --- what decode steps share --------------------------------------------------
+    def slot_metadata(self):
+        """(positions, score, count) as held, whatever the decode step holds
+        back (a StepGroup stacks them: cache/group.py)."""
+        return self._positions, self._score, self._count
+
+    def set_slot_metadata(self, positions, score, count) -> None:
+        self._positions, self._score, self._count = positions, score, count
+
+    @property
+    def slots_used(self) -> int:
+        return self._n
+
+    def _with_metadata(self, out):
+        """``out``, evaluated together with the metadata a decode step updated.
+        Nothing else reads it until a decision does; left lazy, each update's
+        graph held that step's K buffer or logits (an H100 decode at 16K
+        context grew by ~5 GB per 128 tokens and ran out of memory,
+        docs/DESIGN.md)."""
+        return mx.depends(out, [self._positions, self._score, self._count])
+
+
+def _last_rows(mask, W: int):
+    """The mask of a call's last W queries (mlx-lm's "causal" is bottom-right aligned)."""
+    if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] > 1:
+        return mask[..., -W:, :]
+    return mask

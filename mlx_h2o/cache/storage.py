@@ -65,8 +65,11 @@ def fresh_slot(positions, score, count, slot, position):
 class DenseKV:
     """Keys and values as plain (B, n_kv_heads, slots, D) arrays."""
 
-    # What a StepGroup's fold reads (cache/group.py); layers of one kind fold together.
+    # What a StepGroup's fold and the compiled steps read (cache/group.py,
+    # cache/ops_step.py); layers of one kind fold together.
     group_kind = ("dense",)
+    plain = True  # K/V are plain arrays: fused steps, score queue, batch events
+    moves_on_evict = False  # an eviction moves no token between zones
 
     def __init__(self):
         self.keys = self.values = None

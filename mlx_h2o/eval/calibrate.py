@@ -8,7 +8,7 @@ sizes are fixed before any evaluation sample is seen. Weights per statistic:
 - ``topk``: 1 - share of the accumulated attention held by the top 10% of keys.
 - ``invtopk``: that share itself: concentrated layers get more slots (the
   opposite of PyramidKV's rule; measured better on SmolLM2, docs/RESULTS.md,
-  "What was tried" item 9). The statistic of the shipped layer profiles.
+  per-layer budgets). The statistic of the shipped layer profiles.
 
 ``make_profile`` packs the weights as a ``LayerProfile`` (``mlx-h2o calibrate``).
 """

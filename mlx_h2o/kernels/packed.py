@@ -1,8 +1,7 @@
 """One uint32 buffer per layer for quantized K and V (the GPU decode layout).
 
 A custom kernel's host cost grows with its outputs: ~3 us each on the H100,
-inputs ~0.4 us (``scripts/gpu_launch_cost.py``, docs/QUANTIZED.md). Six
-triples (K and V codes, scales, biases) made the quantized write kernel the
+inputs ~0.4 us. Six triples (K and V codes, scales, biases) made the quantized write kernel the
 dearest op of a decode step. Packed, a row (sequence, KV head, slot) is
 
     [K codes: WPR words | V codes: WPR words | K scales, K biases | V scales, V biases]

@@ -90,7 +90,7 @@ def quantized_attention(
             )
     if not gpu and queries.shape[2] == 1:
         # MLX's CPU quantized_matmul runs row by row: past decode's few rows,
-        # dequantizing and one BLAS GEMM was 2-7x faster (docs/QUANTIZED.md).
+        # dequantizing and one BLAS GEMM was 2-7x faster (measured on this project's CPU).
         return quantized_matmul_attention_with_scores(
             queries,
             keys,

@@ -1,6 +1,6 @@
 """Fold queued decode queries into the summed H2O scores in three launches.
 
-cache/deferred.py keeps the decode queries of a cache below its budget and
+cache/decode/deferred.py keeps the decode queries of a cache below its budget and
 folds them every few steps. In plain ops that fold materializes float32
 logits, their softmax and a float32 copy of K: at 16K context and 32
 queries about 330 MB of transients per fold, which cost an H100 decode

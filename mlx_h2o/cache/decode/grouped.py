@@ -1,0 +1,56 @@
+"""A decode step that folds with other layers' in one launch per token.
+
+In the evicting steady state a member of a StepGroup (cache/group.py) writes
+its token into the victim the group picked, attends with MLX's SDPA and
+pushes its query; the last member's push folds every pushed query and picks
+every member's next victim at once. Any other step (a mask, a cache not
+full, another query shape) takes the member's metadata back from the group
+and runs the inner step.
+"""
+
+from .base import Wrapper
+
+
+class GroupedStep(Wrapper):
+    def __init__(self, inner, group):
+        super().__init__(inner)
+        self.group = group
+        self.scale = None  # the scale of the query this member last pushed
+        group.add(self)
+
+    def update(self, keys, values):
+        c, group = self.cache, self.group
+        if c._victim is None and group.waits_for(self):
+            group.flush()  # a new token: last token's folds, every member's victim
+        if not c._into_victim():
+            return self.inner.update(keys, values)
+        c.token_bytes = keys.nbytes + values.nbytes
+        c._write_picked_victim(keys, values, for_sdpa=True)
+        c.offset += 1
+        c._pending = 1
+        return c.kv.fetch(c._n)
+
+    def attend(self, queries, keys, values, scale, mask, sinks):
+        c = self.cache
+        if (c._slot is not None and mask is None and sinks is None and c._n == c.max_size
+                and self.group.takes(self, queries)):
+            out = c.kv.sdpa(queries, keys, values, scale=scale)
+            slot, self.scale = c._slot, scale
+            c._slot, c._meta_pending, c._pending = None, False, False
+            return self.group.push(self, queries, slot, out)
+        self.sync()
+        return self.inner.attend(queries, keys, values, scale, mask, sinks)
+
+    def sync(self) -> None:
+        """Take the metadata back from the group (it folds what is pending)."""
+        if self.group.holds(self):
+            self.group.release()
+        self.inner.sync()
+
+    def forget(self) -> None:
+        self.sync()
+        self.inner.forget()
+
+    def take_victim(self, victim) -> None:
+        """The group picked where this member's next token goes."""
+        self.cache._victim = victim

@@ -1,0 +1,62 @@
+"""The op-by-op decode step: the specification the other steps are tested against.
+
+An update writes the token into the policy's victim once the cache is full
+(a prompt left past the budget is compacted first), else appends it; the
+attention exports its logits (kernels.scaled_dot_product_attention_with_scores)
+and policy.fold_scores folds them. About 90 MLX ops a layer and token.
+"""
+
+from .base import DecodeStep
+
+
+class ReferenceStep(DecodeStep):
+    kind = "reference"
+    # An appended token's position and scores are written by the step's
+    # kernel (FusedStep), not by the update.
+    kernel_writes_meta = False
+
+    def update(self, keys, values):
+        c = self.cache
+        c.token_bytes = keys.nbytes + values.nbytes
+        if c._into_victim():
+            c._write_picked_victim(keys, values)  # the evicting steady state
+        else:
+            self.place(keys, values)
+        c.offset += 1
+        c._pending = 1
+        return c.kv.fetch(c._n)
+
+    def place(self, keys, values):
+        """The token into a slot: the policy's victim of a full cache, else a new one."""
+        c = self.cache
+        c._slot = c._victim = None
+        if c._n > c.max_size:
+            c._compact()  # the prompt is over (prefill_compact="prompt")
+        if c._n >= c.max_size:
+            c._slot = c._write_into_victim(keys, values)
+        else:
+            c._append(keys, values, meta=not self.kernel_writes_meta)
+
+    def attend(self, queries, keys, values, scale, mask, sinks):
+        c = self.cache
+        if c._meta_pending and c.window_size is not None:
+            c._write_pending_meta()  # the window mask reads the new token's position
+        out, logits, lse = c._attention(queries, keys, values, scale, c._mask(1, mask), sinks)
+        return self.fold(out, logits, lse)
+
+    def fold(self, out, logits, lse):
+        """This step's logits folded into the slots' scores, op by op."""
+        c = self.cache
+        if c._meta_pending:
+            c._write_pending_meta()
+        c._fold_ops(logits, lse, 1)
+        return c._with_metadata(out)
+
+    def take(self, res) -> None:
+        """A kernel's or compiled call's results (H2OStep / H2OFold): the
+        metadata it wrote, and the victim the next decode token goes to once
+        the cache is full."""
+        c = self.cache
+        c.set_slot_metadata(res.positions, res.score, res.count)
+        c._victim = res.victim if c._n >= c.max_size else None
+        c._slot, c._meta_pending, c._pending = None, False, False
