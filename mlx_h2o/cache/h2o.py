@@ -9,6 +9,7 @@ from mlx_lm.models.cache import _BaseCache
 
 from .. import policy
 from ..config import H2OConfig, config_from_dict, config_to_dict
+from ..scores import score_mode
 from .decode import DEFER_STEPS, decode_step
 from .slots import SlotCache
 from .storage import deepcopy_attrs
@@ -77,7 +78,8 @@ class H2OKVCache(SlotCache, _BaseCache):
     def groupable(self) -> bool:
         """Whether this cache's evicting decode steps can join a StepGroup."""
         return (self.window_size is None and self.config.evict_batch == 1
-                and self.kv.group_kind is not None and self.decode.kind != "reference")
+                and self.kv.group_kind is not None and self.decode.kind != "reference"
+                and score_mode(self.config.score).kernel)
 
     def join_group(self, group) -> None:
         self.set_decode(*self._decode_settings, group=group)

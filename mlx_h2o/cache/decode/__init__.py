@@ -44,16 +44,18 @@ def decode_step(cache, kind: str = "auto", defer: int = DEFER_STEPS,
     if kind == "auto":
         kind = "fused" if runs_on_gpu() else "compiled"
     kv, cfg = cache.kv, cache.config
+    mode = score_mode(cfg.score)
     if kind == "reference":
         step = ReferenceStep(cache)
     elif kind == "compiled":
         step = (MixedCompiledStep if kv.moves_on_evict else CompiledStep)(cache)
-    else:
-        step = FusedStep(cache, fuse=kv.plain, fold_kernel=not kv.moves_on_evict)
+    else:  # a score mode without a kernel branch folds by the reference
+        step = FusedStep(cache, fuse=kv.plain and mode.kernel,
+                         fold_kernel=mode.kernel and not kv.moves_on_evict)
     if group is not None:
         step = GroupedStep(step, group)
     if (defer and kv.plain and cache.window_size is None
-            and score_mode(cfg.score).deferrable):
+            and mode.deferrable):
         step = DeferredFill(step, defer, cache.fold_phase)
     if cfg.evict_batch > 1 and not kv.moves_on_evict:
         step = BatchedEviction(step)
