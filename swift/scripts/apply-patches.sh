@@ -15,8 +15,8 @@ fi
 for p in "$patches"/*.patch; do
     if ! git -C "$checkout" apply --check "$p" 2>/dev/null; then
         echo "error: $(basename "$p") does not apply to $checkout." >&2
-        echo "It is written against mlx-swift-lm commit 6f174b0b (see docs/SWIFT.md);" >&2
-        echo "the hook is 4 lines in attentionWithCacheUpdate: add them by hand." >&2
+        echo "It applies to mlx-swift-lm 3.31.3, 3.31.4 and main at 14414441 (see docs/SWIFT.md);" >&2
+        echo "the hook is 4 lines at the top of attentionWithCacheUpdate: add them by hand." >&2
         exit 1
     fi
 done

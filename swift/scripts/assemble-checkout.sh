@@ -16,6 +16,8 @@
 #     out MLX's MLXFast.swift / MLXFastKernel.swift and mlx-c's fast.cpp, so MLXNN (and
 #     with it MLXLMCommon) cannot compile; they are put back, as mlx-swift's CMake build
 #     on Linux has them (MLX's no-Metal stubs define metal_kernel, which then throws).
+#     GPU+CUDA.swift (plain Swift: `enum GPU` without a working-set size) is put back
+#     too: MLXLMCommon calls GPU.maxRecommendedWorkingSetBytes().
 #   - mlx-swift-lm: a manifest of MLXLMCommon and MLXLLM alone (the other libraries
 #     need swift-syntax macros, tokenizers or Apple frameworks), with local mlx-swift.
 set -eu
@@ -70,7 +72,7 @@ sed -e 's|\.package(url: "https://github.com/apple/swift-numerics"[^)]*)|.packag
     -e '/"mlx-c\/mlx\/c\/fast.cpp",  \/\/ Exclude on Linux/d' \
     "$manifest.upstream" |
     awk '/^        mlxSwiftExcludes = \[/ { n++ }
-         n == 2 && /"MLXFast.swift",|"MLXFastKernel.swift",/ { next }
+         n == 2 && /"MLXFast.swift",|"MLXFastKernel.swift",|"GPU\+CUDA.swift",/ { next }
          { print }' | write "$manifest"
 grep -q 'package(path: "../swift-numerics")' "$manifest" || {
     echo "error: $manifest: the swift-numerics dependency was not found to rewrite" >&2; exit 1; }

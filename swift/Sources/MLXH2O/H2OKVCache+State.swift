@@ -80,15 +80,6 @@ extension H2OKVCache {
         }
     }
 
-    /// An independent cache with the same slots (arrays are not shared).
-    public func copy() -> any KVCache {
-        let new = try! H2OKVCache(
-            config: config, windowSize: windowSize, storage: storage.makeEmpty())
-        new.metaState = metaState
-        new.state = state.map { $0[.ellipsis] }
-        return new
-    }
-
     /// A cache saved by `state`/`metaState` (in Swift or by the Python package).
     public static func fromState(state: [MLXArray], metaState: [String], storage: H2OSlotStorage)
         throws -> H2OKVCache

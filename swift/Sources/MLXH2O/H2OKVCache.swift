@@ -43,6 +43,19 @@ open class H2OKVCache: KVCache {
     /// Nil: the H2O budget is not a rotating window, which `maxSize` means to mlx-swift-lm.
     public var maxSize: Int? { nil }
 
+    /// An independent cache of the same class with the same slots (arrays are not shared).
+    open func copy() -> any KVCache {
+        let new = try! H2OKVCache(
+            config: config, windowSize: windowSize, storage: storage.makeEmpty())
+        return copyInto(new)
+    }
+
+    func copyInto(_ new: H2OKVCache) -> H2OKVCache {
+        new.metaState = metaState
+        new.state = state.map { $0[.ellipsis] }
+        return new
+    }
+
     public func innerState() -> [MLXArray] {
         storage.arrays + [positions, score, count].compactMap { $0 }
     }

@@ -22,4 +22,9 @@ public final class QuantizedH2OKVCache: H2OKVCache {
             config: config, windowSize: windowSize,
             storage: QuantizedSlots(bits: bits, groupSize: groupSize))
     }
+
+    public override func copy() -> any KVCache {
+        copyInto(try! QuantizedH2OKVCache(
+            config: config, windowSize: windowSize, bits: bits, groupSize: groupSize))
+    }
 }
