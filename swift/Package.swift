@@ -1,9 +1,12 @@
 // swift-tools-version: 5.9
 // mlx-h2o for Swift: H2OCore and H2OKernels (pure Swift; build and test anywhere)
-// and MLXH2O (mlx-swift + mlx-swift-lm; Apple platforms). MLXH2O joins the package only when
-// asked for, so `swift build` / `swift test` on Linux build H2OCore alone:
+// and MLXH2O (mlx-swift + mlx-swift-lm: Apple platforms, or Linux on mlx-swift's CPU
+// backend). MLXH2O and its tests join the package only when asked for, so plain
+// `swift build` / `swift test` build H2OCore alone:
 //   MLXH2O_MLX_SWIFT_LM=/path/to/mlx-swift-lm  a local checkout (patched with
 //                                              scripts/apply-patches.sh for routing)
+//   MLXH2O_MLX_SWIFT=/path/to/mlx-swift        a local mlx-swift too (offline builds;
+//                                              `make mlx-linux` assembles both)
 //   MLXH2O_WITH_MLX=1                          the pinned remote release (no routing)
 // See docs/SWIFT.md.
 
