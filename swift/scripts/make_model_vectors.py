@@ -93,8 +93,11 @@ def decode(model) -> dict:
 
 def document() -> dict:
     mx.set_default_device(mx.cpu)
-    return {"format": FORMAT, "model": ARGS, "h2o": H2O, "prompt": PROMPT,
-            **decode(tiny_llama())}
+    model = tiny_llama()
+    # The first values of every parameter, so the Swift test checks the formula itself.
+    probe = {k: np.array(v).reshape(-1)[:4].tolist() for k, v in tree_flatten(model.parameters())}
+    return {"format": FORMAT, "model": ARGS, "h2o": H2O, "prompt": PROMPT, "weights": probe,
+            **decode(model)}
 
 
 def main():
