@@ -17,7 +17,7 @@ from mlx_h2o import H2OConfig, H2OKVCache, policy
 from mlx_h2o.cache.storage import put_slot
 from mlx_h2o.kernels import H2OFold, H2OStep
 from mlx_h2o.kernels.reference import scaled_dot_product_attention_with_scores
-from mlx_h2o.scores import SCORE_MODES
+from mlx_h2o.scores import KERNEL_MODES, SCORE_MODES
 
 D, HQ, HK = 8, 4, 2
 
@@ -170,7 +170,7 @@ def emulated_fold_kernel(monkeypatch):
     monkeypatch.setattr(fused_module, "h2o_fold_step", emulated_fold)
 
 
-@pytest.mark.parametrize("mode", SCORE_MODES)
+@pytest.mark.parametrize("mode", KERNEL_MODES)
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("kind", ["dense", "q8"])
 def test_fold_step_path_matches_op_by_op_path(emulated_fold_kernel, mode, window, kind):

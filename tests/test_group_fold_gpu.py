@@ -18,7 +18,7 @@ from mlx_h2o.kernels import backend, build, source
 from mlx_h2o.kernels.packed import pack
 from mlx_h2o.kernels.quantized_reference import dequantize
 from mlx_h2o.kernels.group_fold import group_fold, group_fold_supported, layer_params
-from mlx_h2o.scores import SCORE_MODES
+from mlx_h2o.scores import KERNEL_MODES
 from decode_steps import group_of
 
 needs_gpu = pytest.mark.skipif(backend.gpu_backend() is None,
@@ -52,7 +52,7 @@ def layer_state(rng, B, Hk, cap, n, M, offset):
 
 
 @needs_gpu
-@pytest.mark.parametrize("mode", SCORE_MODES)
+@pytest.mark.parametrize("mode", KERNEL_MODES)
 @pytest.mark.parametrize("dtype,D,Hq,Hk", [(mx.float16, 128, 32, 8), (mx.bfloat16, 64, 8, 8),
                                            (mx.float32, 256, 16, 2)])
 def test_group_fold_matches_reference(mode, dtype, D, Hq, Hk):

@@ -31,7 +31,7 @@ from mlx_h2o.cache import first_use as first_use_check  # noqa: E402
 from mlx_h2o.kernels import (backend, build, decode, group_fold, h2o_step,  # noqa: E402
                              kv_write, quantized_gpu, queued)
 from mlx_h2o.kernels.testing import Case, check_case  # noqa: E402
-from mlx_h2o.scores import SCORE_MODES  # noqa: E402
+from mlx_h2o.scores import KERNEL_MODES  # noqa: E402
 from decode_steps import queue_kernel_of
 
 needs_clang = pytest.mark.skipif(not metal_emu.find_cxx(),
@@ -207,7 +207,7 @@ def test_metal_fold_step_matches_the_policy(metal):
 
 
 @needs_clang
-@pytest.mark.parametrize("mode", SCORE_MODES)
+@pytest.mark.parametrize("mode", KERNEL_MODES)
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_metal_group_fold_matches_the_policy(metal, mode, dtype):
     """The group fold (a full cache's one launch a token) on Metal's text:

@@ -9,6 +9,8 @@ cache folding with the kernel and one folding with ops over a few hundred
 decode steps.
 """
 
+from contextlib import contextmanager
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -117,12 +119,12 @@ def test_queue_fold_rejects_bad_input(bad):
         queue_fold(q, k, visible, 0.1, score, count, tile=tile)
 
 
+@contextmanager
 def ops_queue_fold():
     """A context in which score queues decide for the ops fold."""
-    patch = pytest.MonkeyPatch.context()
-    mp = patch.__enter__()
-    mp.setattr(deferred_step, "queue_fold_supported", lambda *a, **k: False)
-    return patch
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(deferred_step, "queue_fold_supported", lambda *a, **k: False)
+        yield
 
 
 @needs_gpu

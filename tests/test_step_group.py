@@ -17,7 +17,7 @@ from mlx_h2o.cache import QuantConfig, quantized_cache_type
 from mlx_h2o.cache.group import make_groups
 from mlx_h2o.config import with_max_size
 from mlx_h2o.kernels import gpu_backend
-from mlx_h2o.scores import SCORE_MODES
+from mlx_h2o.scores import KERNEL_MODES, SCORE_MODES
 from tiny_models import VOCAB, teacher_forced, tiny_llama
 from decode_steps import queue_of, group_of, members_of
 
@@ -78,7 +78,7 @@ def configs(mode="accumulated", sizes=(24, 40, 31)):
     return [with_max_size(base, s) for s in sizes]
 
 
-@pytest.mark.parametrize("mode", SCORE_MODES)
+@pytest.mark.parametrize("mode", KERNEL_MODES)
 @pytest.mark.parametrize("check", [(), (30, 31, 55)])
 def test_group_equals_per_layer(mode, check):
     plain, grouped = layer_sets(configs(mode))
@@ -93,6 +93,15 @@ def test_group_equals_per_layer(mode, check):
         assert p.evicted > 0
     group = group_of(grouped[0])
     assert group._stacked is None and not group.has_pending()  # reading released it
+
+
+@pytest.mark.parametrize("mode", sorted(set(SCORE_MODES) - set(KERNEL_MODES)))
+def test_modes_without_a_kernel_stay_per_layer(mode):
+    """The group fold is a kernel branch per mode: a mode without one
+    (scores.ScoreMode.kernel) is never grouped."""
+    caches = [H2OKVCache(c) for c in configs(mode)]
+    assert not any(c.groupable() for c in caches)
+    assert make_groups(caches, size=3, use_kernel=False) == []
 
 
 def test_group_steps_are_taken_and_stacked():
