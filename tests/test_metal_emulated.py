@@ -537,7 +537,7 @@ def test_metal_fused_step_first_use_check(first_use, monkeypatch, wrong):
         monkeypatch.setattr(h2o_step.StepPlan, "__call__", wrong_call)
     cfg = H2OConfig(max_size=32, sink_size=2, recent_budget=6, score="ema")
     fused = H2OKVCache(cfg, window_size=20, decode="fused")
-    ops = H2OKVCache(cfg, window_size=20, decode="reference")
+    ops = H2OKVCache(cfg, window_size=20, decode="compiled")  # on the CPU device
     _assert_checked_like_ops(fused, ops, first_use, "fused step", wrong)
 
 
@@ -563,7 +563,7 @@ def test_metal_fold_step_first_use_check(first_use, monkeypatch, wrong):
         monkeypatch.setattr(fused_module, "h2o_fold_step", wrong_fold)
     cls = quantized_cache_type(QuantConfig(8, 64))
     cfg = H2OConfig(max_size=32, sink_size=2, recent_budget=6, score="ema")
-    kernel, ops = cls(cfg, decode="fused"), cls(cfg, decode="reference")
+    kernel, ops = cls(cfg, decode="fused"), cls(cfg, decode="compiled")
     _assert_checked_like_ops(kernel, ops, first_use, "fold-only step", wrong)
 
 
@@ -578,7 +578,7 @@ def _quantized_pair(monkeypatch, bits=4):
     monkeypatch.setattr(fused_module, "fold_step_supported", lambda *a, **k: True)
     cls = quantized_cache_type(QuantConfig(bits, 32))
     cfg = H2OConfig(max_size=32, sink_size=2, recent_budget=6, score="ema")
-    kernel, ops = cls(cfg, decode="fused"), cls(cfg, decode="reference")
+    kernel, ops = cls(cfg, decode="fused"), cls(cfg, decode="compiled")
     return kernel, ops
 
 
@@ -625,7 +625,7 @@ def test_metal_quantized_attention_first_use_check(first_use, monkeypatch, wrong
         monkeypatch.setattr(quantized_gpu, "fused_quantized_attention", wrong_attention)
 
     def reference(queries, keys, values, *, scale, mask, sinks, kv=ops.kv):
-        keys, values = kv._as_triples(keys, values)
+        keys, values = kv.triples(keys, values)
         return quantized.quantized_attention(
             queries, keys, values, scale=scale, bits=kv.bits, group_size=kv.group_size,
             mask=mask, sinks=sinks, use_kernel=False)

@@ -10,7 +10,7 @@ import pytest
 
 from mlx_h2o import H2OConfig, H2OKVCache
 from mlx_h2o.cache import MixedPrecisionH2OKVCache, QuantConfig, QuantizedH2OKVCache
-from mlx_h2o.cache import h2o as h2o_module
+from mlx_h2o.cache import slots as slots_module
 from mlx_h2o.scores import SCORE_MODES
 
 D, HQ, HK = 8, 4, 2
@@ -94,8 +94,8 @@ def test_only_the_window_gets_logits(monkeypatch, kind):
         return call
 
     monkeypatch.setattr(cache.kv, "attention", spy(cache.kv.attention, "storage"))
-    window = spy(h2o_module.scaled_dot_product_attention_with_scores, "window")
-    monkeypatch.setattr(h2o_module, "scaled_dot_product_attention_with_scores", window)
+    window = spy(slots_module.scaled_dot_product_attention_with_scores, "window")
+    monkeypatch.setattr(slots_module, "scaled_dot_product_attention_with_scores", window)
     feed((cache,), [10, 40], seed=5, dim=dim)
     # within budget: every row (the storage's attention); overflowing: SDPA
     # for the output, logits for the window's rows only

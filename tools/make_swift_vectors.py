@@ -80,11 +80,24 @@ class ScriptedQuantizedKV(ScriptedAttention, QuantizedKV):
     pass
 
 
-class ScriptedH2OKVCache(H2OKVCache):
+class Scripted:
+    """Cache mixin: every attention call goes through the storage's (scripted)
+    attention: the reference decode step, no score queue, and chunks past the
+    budget scored in full rather than by MLX's SDPA plus their window."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.set_decode("reference", defer=0)
+
+    def _scored_by_window(self, L) -> bool:
+        return False
+
+
+class ScriptedH2OKVCache(Scripted, H2OKVCache):
     storage_cls = ScriptedKV
 
 
-class ScriptedQuantizedH2OKVCache(QuantizedH2OKVCache):
+class ScriptedQuantizedH2OKVCache(Scripted, QuantizedH2OKVCache):
     def _make_storage(self):
         return ScriptedQuantizedKV(self.quant.bits, self.quant.group_size)
 

@@ -12,6 +12,9 @@ public enum ScoreMode: String, Sendable, CaseIterable, Codable {
     /// EMA of softmax attention (`ema` with the probability in place of |logit|:
     /// a large negative logit is no reason to keep a key).
     case attentionEma = "attention_ema"
+    /// TOVA (Oren et al. 2024): the softmax attention of the last call alone,
+    /// averaged over its queries that saw the key; earlier calls forgotten.
+    case tova
 
     /// Parses a mode name, with the Python package's error for an unknown one.
     public init(name: String) throws {

@@ -56,6 +56,8 @@ public enum H2OPolicy {
                 if seen[j] > 0 { score[j] = ema }
             case .accumulated, .normalized:
                 score[j] = score[j] + step[j]
+            case .tova:
+                if seen[j] > 0 { score[j] = step[j] / Swift.max(seen[j], 1) }
             }
             count[j] = count[j] + seen[j]
         }

@@ -43,6 +43,9 @@ extension H2OPolicy {
             return (which(seen .> Float(0), ema, score), count + seen)
         case .accumulated, .normalized:
             return (score + step, count + seen)
+        case .tova:
+            let last = step / maximum(seen, MLXArray(Float(1)))
+            return (which(seen .> Float(0), last, score), count + seen)
         }
     }
 
