@@ -116,6 +116,10 @@ def test_tasks_run_as_passkey_trials_batched_or_not():
     # An output that holds the answers counts.
     row = passkey.score_trial(prompts[0], " ".join(prompts[0]["answers"]))
     assert row["correct"] and row["recall"] == 1.0
+    # Text after the end of the model's turn is not its answer.
+    late = passkey.score_trial(prompts[0] | {"stop": "</s>"},
+                               " no.</s> " + " ".join(prompts[0]["answers"]))
+    assert not late["correct"] and late["output"].endswith(prompts[0]["answers"][0])
 
 
 def test_cli_writes_tables_and_heatmaps(tmp_path, monkeypatch, capsys):

@@ -3,8 +3,8 @@
 Each reader derives its mode names from the registry; what cannot be derived
 (the kernels' FOLD branches, the Swift enum) is checked here against it, so a
 new entry that says ``kernel=True`` fails these tests until the kernels and the
-Swift twin handle it. Entries with ``kernel=False`` run on the CPU decode paths
-only (policy.fold_scores) and have no Swift case.
+Swift twin handle it. Entries with ``kernel=False`` run on the reference decode
+paths only (policy.fold_scores, and the Swift core's fold).
 """
 
 import dataclasses
@@ -113,11 +113,11 @@ def test_short_name_is_a_strategy_suffix(mode):
 
 
 def test_swift_score_mode_enum_matches_the_registry():
-    """H2OCore's ScoreMode: its raw values are the registry's kernel modes, in
-    order (the Metal step is Swift's only decode path)."""
+    """H2OCore's ScoreMode: its raw values are the registry's names, in order
+    (its core folds every mode as policy.fold_scores does)."""
     with open(SWIFT_CONFIG) as f:
         text = f.read()
     body = re.search(r"public enum ScoreMode\b[^{]*\{(.*?)\n\s*public init", text, re.S)
     assert body, "ScoreMode enum not found in H2OConfig.swift"
     cases = re.findall(r'^\s*case (\w+)(?:\s*=\s*"([^"]*)")?\s*$', body.group(1), re.M)
-    assert tuple(raw or name for name, raw in cases) == KERNEL_MODES
+    assert tuple(raw or name for name, raw in cases) == SCORE_MODES

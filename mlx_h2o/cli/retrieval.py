@@ -50,7 +50,8 @@ def setup_arg_parser():
                    help="plain prompts even where the model has a chat template")
     p.add_argument("--prefill-step", type=int, default=2048,
                    help="prompt chunk size (mlx-lm generate's default is 2048)")
-    p.add_argument("--new-tokens", type=int, default=32, help="tokens decoded for the answer")
+    p.add_argument("--new-tokens", type=int, default=64,
+                   help="tokens decoded for the answer (4 values of 7 digits in a list: ~45)")
     p.add_argument("--batch-size", type=int, default=8,
                    help="prompts per batch (0: one batch per context length)")
     p.add_argument("--seed", type=int, default=0, help="seed of the needles")

@@ -81,7 +81,8 @@ def score_trial(p: dict[str, Any], text: str) -> dict[str, Any]:
         return row | {"answer": str(p["answer"]), "correct": is_correct(text, p["answer"])}
     from .retrieval_data import score_output
 
-    correct, recall = score_output(text, p["answers"])
+    stop = p.get("stop")  # the end of the model's turn: later text is not its answer
+    correct, recall = score_output(text.split(stop)[0] if stop else text, p["answers"])
     return row | {"task": p["task"], "answers": list(p["answers"]), "correct": correct,
                   "recall": recall}
 

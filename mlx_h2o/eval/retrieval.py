@@ -28,17 +28,18 @@ def haystack_text(name: str) -> str:
 def make_prompts(tokenizer, tasks: Sequence[str], contexts: Sequence[int],
                  depths: Sequence[float], seed: int = 0, haystack: str = DEFAULT_FILLER,
                  chat: bool = True) -> list[dict[str, Any]]:
-    """Every context x task x depth, one prompt each (seeds differ per cell)."""
+    """Every context x task x depth, one prompt each (seeds differ per cell).
+    An answer is scored up to the tokenizer's end-of-sequence text, if any."""
     bad = [t for t in tasks if t not in TASKS]
     if bad:
         raise ValueError(f"unknown retrieval tasks {bad}; use some of {TASKS}")
-    prompts = []
+    prompts, stop = [], getattr(tokenizer, "eos_token", None)
     for ctx in contexts:
         for ti, task in enumerate(tasks):
             for di, depth in enumerate(depths):
                 s = seed + 100_000 * TASKS.index(task) + 1000 * di + ctx
                 p = make_retrieval_prompt(tokenizer, task, ctx, depth, s, haystack, chat)
-                prompts.append(p | {"context": ctx})
+                prompts.append(p | {"context": ctx, "stop": stop})
     return prompts
 
 
