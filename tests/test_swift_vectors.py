@@ -14,7 +14,7 @@ import os
 import mlx.core as mx
 import pytest
 
-from mlx_h2o.scores import KERNEL_MODES
+from mlx_h2o.scores import SCORE_MODES
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 VECTORS = os.path.join(ROOT, "swift", "Tests", "Vectors")
@@ -76,8 +76,7 @@ def test_streams_cover_the_issue():
     assert any(d["n_heads"] > d["n_kv_heads"] for d in docs)
     assert any(d["batch_size"] == 2 for d in docs)
     assert any(d["window_size"] is not None for d in docs)
-    # The Swift core implements the modes the kernels do (their MODE constants).
-    assert {d["config"]["score"] for d in docs} == set(KERNEL_MODES)
+    assert {d["config"]["score"] for d in docs} == set(SCORE_MODES)
     assert any(d["config"]["prefill_window"] for d in docs)
     assert any(d["config"]["prefill_pool"] > 1 for d in docs)
     assert any(d["config"]["pinned"] for d in docs)

@@ -327,6 +327,12 @@ def streams():
             quant=dict(bits=8, group_size=32), seed=6,
         ),
         Stream(
+            # TOVA: the last call's attention alone ranks the slots.
+            "tova_prefill_overflow",
+            C(max_size=8, sink_size=1, recent_budget=3, score="tova", step=4),
+            (10, *decode(6), 3, *decode(2)), n_heads=2, seed=10,
+        ),
+        Stream(
             "trim_before_eviction", C(max_size=8, sink_size=1, recent_budget=3, step=4),
             (5, ("trim", 3), 2, ("trim", 10), 6, *decode(5), ("trim", 9), *decode(2)),
             n_heads=2, seed=5,
