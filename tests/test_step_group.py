@@ -143,7 +143,7 @@ def test_release_mid_token_and_masked_step():
 
 def test_a_new_decode_step_takes_members_out():
     """A new decode step (set_decode) on grouped members mid-stream: they leave the group
-    at their next step and decide as per-layer caches from then on."""
+    and decide as per-layer caches from then on."""
     plain, grouped = layer_sets(configs())
     for caches in (plain, grouped):
         rng = filled(caches, 6)
@@ -155,6 +155,7 @@ def test_a_new_decode_step_takes_members_out():
         for _ in range(20):
             token(caches, 1, rng)
     assert group._stacked is None and not group.has_pending()
+    assert group.members == []  # each left when it took another step
     for p, g in zip(plain, grouped):
         assert_same(g, p)
 

@@ -65,6 +65,12 @@ class StepGroup:
     def add(self, member) -> None:
         self.members.append(member)
 
+    def remove(self, member) -> None:
+        """``member`` leaves (its cache took another decode step): what is
+        pending is folded first, and the others' folds no longer wait for it."""
+        self.release()
+        self.members = [m for m in self.members if m is not member]
+
     # --- what members call ------------------------------------------------------
     def takes(self, member, queries: mx.array) -> bool:
         """Whether ``member``'s decode query can be folded here: every member's

@@ -11,6 +11,7 @@ from .. import policy
 from ..config import H2OConfig, config_from_dict, config_to_dict
 from ..scores import score_mode
 from .decode import DEFER_STEPS, decode_step
+from .decode.grouped import GroupedStep
 from .slots import SlotCache
 from .storage import deepcopy_attrs
 
@@ -60,8 +61,11 @@ class H2OKVCache(SlotCache, _BaseCache):
         docstring; ``defer`` the decode queries queued below the budget before
         their scores fold (0: each step folds its own); ``group`` a StepGroup
         (cache/group.py) to fold with."""
-        if getattr(self, "decode", None) is not None:
+        if self.decode is not None:
             self.settle()
+            member = self.decode.find(GroupedStep)
+            if member is not None:
+                member.group.remove(member)
         self.decode = decode_step(self, kind, defer, group)
         self._decode_settings = (kind, defer)
 
