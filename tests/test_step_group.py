@@ -307,3 +307,15 @@ def test_deep_copy_goes_on_as_the_original():
             np.testing.assert_array_equal(u, v)
     for x, y in zip(grouped, copies):
         assert_same(x, y)
+
+
+def test_factory_takes_a_decode_step():
+    """make_h2o_cache(decode=...) gives every layer that step; a reference
+    cache joins no group; a bad name is refused with the choices."""
+    model = tiny_llama(num_hidden_layers=3)
+    caches = make_h2o_cache(model, H2OConfig(max_size=16), layer_budget="uniform",
+                            decode="reference")
+    assert all(c.decode.kind == "reference" and group_of(c) is None for c in caches)
+    assert make_groups(caches, size=3, use_kernel=False) == []
+    with pytest.raises(ValueError, match="decode must be one of"):
+        make_h2o_cache(model, H2OConfig(max_size=16), decode="fast")

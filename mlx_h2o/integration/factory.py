@@ -129,6 +129,7 @@ def make_h2o_cache(
     cache_type=H2OKVCache,
     layer_sizes: Optional[Sequence[int]] = None,
     layer_budget: LayerBudget = "auto",
+    decode: str = "auto",
 ) -> List[Any]:
     """The model's prompt cache with every attention cache replaced by an H2O one.
 
@@ -148,6 +149,9 @@ def make_h2o_cache(
     in layer order (only with ``layer_budget="auto"``; anything else is a
     conflict). Each layer gets ``with_max_size(config, size)``: sink kept,
     heavy / recent scaled in proportion.
+
+    ``decode``: the caches' decode step, ``"auto"`` (the backend's fastest)
+    or ``"reference"`` / ``"compiled"`` / ``"fused"`` (``H2OKVCache``).
     """
     if not isinstance(config, H2OConfig):
         raise TypeError(f"config must be an H2OConfig, got {type(config).__name__}")
@@ -172,6 +176,8 @@ def make_h2o_cache(
     for slot, cfg, window in zip(layers, cfgs, windows):
         h2o.append(cache_type(cfg, window_size=window))
         h2o[-1].model_name = name
+        if decode != "auto":
+            h2o[-1].set_decode(decode)
         _put(caches, slot, h2o[-1])
     link_layers(h2o)  # folds apart; GPU: one fold launch a token
     return caches
