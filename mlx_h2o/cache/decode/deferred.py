@@ -55,6 +55,8 @@ class DeferredFill(Wrapper):
         c = self.cache
         if c._lingering and keys.shape[2] > c._n:  # only unmasked steps see them
             keys, values = keys[..., : c._n, :], values[..., : c._n, :]
+            if isinstance(mask, mx.array) and mask.shape[-1] > c._n:
+                mask = mask[..., : c._n]
         if self.queue.items:
             self.fold()
         return self.inner.attend(queries, keys, values, scale, mask, sinks)
