@@ -1,6 +1,8 @@
 import os, sys
 
 sys.path.insert(0, os.path.dirname(__file__))
+# The tools the tests share (GPU checks, the float64 kernel references).
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 # Tests compare float32 paths with references: on CUDA, MLX runs float32
 # matmuls as TF32 by default (our reference attention's q @ k included, not
 # its fused SDPA), a ~1e-3 relative error. Full float32 unless asked otherwise.

@@ -15,7 +15,7 @@ from mlx_h2o import kernels
 from mlx_h2o.kernels import backend, build, reference, source
 from mlx_h2o.kernels.backend import supported
 from mlx_h2o.kernels.decode import choose_splits, layout, mask_mode
-from mlx_h2o.kernels.testing import Case, check_case, make_inputs, ref64, rel_err, to_np
+from kernel_refs import Case, check_case, make_inputs, ref64, rel_err, to_np
 
 HAS_GPU = backend.gpu_backend() is not None
 needs_gpu = pytest.mark.skipif(

@@ -30,7 +30,7 @@ from mlx_h2o.cache import group as cache_group  # noqa: E402
 from mlx_h2o.cache import first_use as first_use_check  # noqa: E402
 from mlx_h2o.kernels import (backend, build, decode, group_fold, h2o_step,  # noqa: E402
                              kv_write, quantized_gpu, queued)
-from mlx_h2o.kernels.testing import Case, check_case  # noqa: E402
+from kernel_refs import Case, check_case  # noqa: E402
 from mlx_h2o.scores import KERNEL_MODES  # noqa: E402
 from decode_steps import queue_kernel_of
 

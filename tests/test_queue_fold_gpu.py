@@ -20,7 +20,7 @@ import mlx_h2o.cache.decode.deferred as deferred_step
 from mlx_h2o.cache.score_queue import QueuedQuery, batch_fold
 from mlx_h2o.kernels import backend, queued, source
 from mlx_h2o.kernels.queued import queue_fold, queue_fold_supported
-from mlx_h2o.kernels.testing import queue_fold_ref64, to_np
+from kernel_refs import queue_fold_ref64, to_np
 from mlx_h2o.scores import DEFERRABLE
 from decode_steps import queue_kernel_of
 

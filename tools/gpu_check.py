@@ -31,7 +31,7 @@ from mlx_h2o.config import H2OConfig  # noqa: E402
 from mlx_h2o.kernels import gpu_backend, h2o_decode_step, h2o_fold_step  # noqa: E402
 from mlx_h2o.kernels.decode import decode_attention  # noqa: E402
 from mlx_h2o.kernels.queued import TILES, queue_fold  # noqa: E402
-from mlx_h2o.kernels.testing import (  # noqa: E402
+from kernel_refs import (  # noqa: E402  (beside this file)
     OUT_TOL, Case, check_case, make_inputs, queue_fold_ref64, rel_err, to_np,
 )
 

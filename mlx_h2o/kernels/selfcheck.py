@@ -66,7 +66,7 @@ def check_attention(attend: Callable, device=mx.gpu) -> Optional[str]:
 
 
 def _rel_err(got: mx.array, want: mx.array) -> float:
-    """``kernels/testing.rel_err`` in mx ops (at run time the kernels import
+    """``tools/kernel_refs.rel_err`` in mx ops (at run time the kernels import
     mlx only): ||got - want|| / ||want|| over the finite reference entries;
     inf if the shapes or the non-finite entries (-inf, NaN) differ."""
     with mx.stream(mx.cpu):

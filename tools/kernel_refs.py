@@ -1,6 +1,8 @@
-"""Test helpers: a float64 numpy reference and random attention cases.
+"""Float64 NumPy references of the kernels and random attention cases.
 
-Shared by tests/test_kernels_gpu.py and scripts/gpu_check.py.
+What the GPU checks measure the kernels against: shared by tools/gpu_check.py
+and the tests (test_kernels_gpu.py, test_queue_fold_gpu.py, the Metal
+emulator's tests); the package never imports it.
 """
 
 from dataclasses import dataclass
