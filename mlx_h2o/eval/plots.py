@@ -103,7 +103,9 @@ def plot_heatmaps(acc: dict[str, dict], rows: Sequence, cols: Sequence, path,
     """One accuracy heatmap per strategy: acc[strategy][(row, col)] in [0, 1]."""
     plt = _plt()
     names = list(acc)
-    fig, axes = plt.subplots(1, len(names), figsize=(2.8 * len(names) + 1.4, 3.4),
+    width = max(2.8, 0.5 * len(cols) + 0.8)  # a panel: wide enough for its cells
+    fig, axes = plt.subplots(1, len(names), figsize=(width * len(names) + 2.4,
+                                                     max(3.4, 0.45 * len(rows) + 2.0)),
                              squeeze=False, layout="constrained")
     for ax, name in zip(axes[0], names):
         grid = [[acc[name].get((r, c), float("nan")) for c in cols] for r in rows]
