@@ -13,13 +13,12 @@ from pathlib import Path
 from ..eval.calibrate import CALIBRATION, DEFAULT_STATISTIC, WEIGHTS
 from ..eval.common import load_any
 from ..eval.results import slug
-from .common import command_parser, fail
+from .common import add_model_arg, command_parser, fail
 
 
 def setup_arg_parser():
     p = command_parser("calibrate", __doc__)
-    p.add_argument("--model", default="smollm2-135m",
-                   help="packaged model (smollm2-135m, gemma3-270m) or an mlx-lm path")
+    add_model_arg(p)
     p.add_argument("--corpus", default=CALIBRATION["corpus"],
                    help="calibration text: austen, python-docs, sharegpt or hf:<dataset> "
                    f"({CALIBRATION['num_samples']} windows of {CALIBRATION['seq_len']} "

@@ -26,6 +26,25 @@ def command_parser(name: str, doc: str) -> argparse.ArgumentParser:
                                    formatter_class=HelpFormatter)
 
 
+def add_model_arg(parser: argparse.ArgumentParser) -> None:
+    """The evaluation commands' ``--model``: a packaged model or an mlx-lm path."""
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="packaged model (smollm2-135m, gemma3-270m) or an mlx-lm path")
+
+
+def add_corpus_arg(parser: argparse.ArgumentParser) -> None:
+    """The evaluation commands' ``--corpus`` (perplexity, profiles)."""
+    parser.add_argument("--corpus", default="austen",
+                        help="austen, python-docs, sharegpt or hf:<dataset> (installed "
+                        "first if missing and possible)")
+
+
+def add_contexts_arg(parser: argparse.ArgumentParser) -> None:
+    """The retrieval commands' ``--contexts``."""
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096],
+                        help="prompt lengths in tokens")
+
+
 def fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
     """End the command as argparse does for a bad flag: one line, exit code 2."""
     parser.exit(2, f"{parser.prog}: error: {message}\n")

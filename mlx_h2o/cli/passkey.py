@@ -13,6 +13,8 @@ import time
 from ..eval.common import fmt_table
 from ..eval.results import DEFAULT_ROOT, ResultsDir, machine_info
 from .common import (
+    add_contexts_arg,
+    add_model_arg,
     check_model_arg,
     command_parser,
     has_matplotlib,
@@ -24,10 +26,8 @@ from .common import (
 
 def setup_arg_parser():
     p = command_parser("passkey", __doc__)
-    p.add_argument("--model", default="smollm2-135m",
-                   help="packaged model (smollm2-135m, gemma3-270m) or an mlx-lm path")
-    p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096],
-                   help="prompt lengths in tokens")
+    add_model_arg(p)
+    add_contexts_arg(p)
     p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9],
                    help="where the passkey sits in the filler (0 = start, 1 = end)")
     p.add_argument("--budgets", type=float, nargs="+", default=[0.25],

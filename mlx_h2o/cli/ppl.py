@@ -15,6 +15,8 @@ from ..eval.common import fmt_table
 from ..eval.results import DEFAULT_ROOT, ResultsDir, machine_info
 from ..eval.strategies import DEFAULT_STRATEGIES
 from .common import (
+    add_corpus_arg,
+    add_model_arg,
     check_model_arg,
     command_parser,
     ensure_corpus_or_fail,
@@ -30,11 +32,8 @@ COLUMNS = ("seq_len", "strategy", "max_kv", "ppl", "ppl_se", "delta_pct", "delta
 
 def setup_arg_parser():
     p = command_parser("ppl", __doc__)
-    p.add_argument("--model", default="smollm2-135m",
-                   help="packaged model (smollm2-135m, gemma3-270m) or an mlx-lm path")
-    p.add_argument("--corpus", default="austen",
-                   help="austen, python-docs, sharegpt or hf:<dataset> (installed first "
-                   "if missing and possible)")
+    add_model_arg(p)
+    add_corpus_arg(p)
     p.add_argument("--num-samples", "-n", type=int, default=10,
                    help="token windows drawn from the corpus")
     p.add_argument("--seq-len", type=int, nargs="+", default=[512],

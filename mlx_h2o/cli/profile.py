@@ -16,6 +16,8 @@ import json
 from ..eval.common import fmt_table
 from ..eval.results import DEFAULT_ROOT, ResultsDir, machine_info
 from .common import (
+    add_corpus_arg,
+    add_model_arg,
     check_model_arg,
     command_parser,
     ensure_corpus_or_fail,
@@ -28,11 +30,8 @@ from .common import (
 
 def setup_arg_parser():
     p = command_parser("profile", __doc__)
-    p.add_argument("--model", default="smollm2-135m",
-                   help="packaged model (smollm2-135m, gemma3-270m) or an mlx-lm path")
-    p.add_argument("--corpus", default="austen",
-                   help="austen, python-docs, sharegpt or hf:<dataset> (installed first "
-                   "if missing and possible)")
+    add_model_arg(p)
+    add_corpus_arg(p)
     p.add_argument("--num-samples", "-n", type=int, default=4,
                    help="token windows drawn from the corpus")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per window")

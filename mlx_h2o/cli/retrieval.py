@@ -19,6 +19,8 @@ from ..eval.common import fmt_table
 from ..eval.results import DEFAULT_ROOT, ResultsDir, machine_info
 from ..eval.retrieval_data import TASKS
 from .common import (
+    add_contexts_arg,
+    add_model_arg,
     check_model_arg,
     command_parser,
     ensure_corpus_or_fail,
@@ -33,10 +35,8 @@ from .passkey import budget_label
 
 def setup_arg_parser():
     p = command_parser("retrieval", __doc__)
-    p.add_argument("--model", default="smollm2-135m",
-                   help="packaged model (smollm2-135m, gemma3-270m) or an mlx-lm path")
-    p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096],
-                   help="prompt lengths in tokens")
+    add_model_arg(p)
+    add_contexts_arg(p)
     p.add_argument("--tasks", nargs="+", default=list(TASKS), help=f"some of {TASKS}")
     p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9],
                    help="where the (asked) needle sits (0 = start, 1 = end): a prompt each")
