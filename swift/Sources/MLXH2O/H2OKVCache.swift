@@ -114,7 +114,7 @@ open class H2OKVCache: KVCache {
         guard queries.dim(2) == 1 else { return out }
         // Nothing reads the metadata until an eviction decision does: left lazy,
         // each decode step's fold held its logits and memory grew with every
-        // token below the budget (docs/GPU.md, session 11). Evaluated with the
+        // token below the budget (docs/DESIGN.md, "Decode paths"). Evaluated with the
         // output, as Python's _with_metadata (one graph, no extra eval).
         return depends(input: out, dependencies: [positions!, score!, count!])
     }
