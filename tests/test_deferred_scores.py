@@ -119,7 +119,7 @@ def test_fold_width_repeats_for_a_step_of_tokens():
     widths = []
     for _ in range(30):
         step(cache, 1, rng)
-        widths.append(cache.decode.find(DeferredFill).width(cache.slots_used))
+        widths.append(cache.decode.find(DeferredFill).width(cache.size()))
     assert widths == [16] * 13 + [32] * 16 + [48]  # n = 4 .. 33
     assert all(w <= cache.kv.capacity for w in widths)
 

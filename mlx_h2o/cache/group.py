@@ -165,7 +165,7 @@ class StepGroup:
         self._slot = mx.concatenate([(s if s.ndim == 4 else s[..., None])[..., :1]
                                      for s in slots], axis=0)
         self._stacked, self._ids = members, frozenset(id(m) for m in members)
-        lay_i = [layer_params(0, c.config.sink_size, c.config.recent_budget, c.slots_used,
+        lay_i = [layer_params(0, c.config.sink_size, c.config.recent_budget, c.size(),
                               c.kv.capacity) for c in caches]
         self._lay_i = np.array(lay_i, dtype=np.int32)
         lay_f = [[m.scale, m.cache.config.ema_alpha, 1.0 - m.cache.config.ema_alpha, 0.0]
@@ -242,8 +242,8 @@ class StepGroup:
         for i, (m, offset) in enumerate(zip(self._stacked, offsets)):
             c, rows = m.cache, slice(i * B, (i + 1) * B)
             width = 1 if c.kv.group_kind[0] == "quantized" else None
-            outs.append(fold_layer(c.config, queries[i], c.kv.dense_keys(c.slots_used),
-                                   c.slots_used, m.scale, offset, pos[rows], score[rows],
+            outs.append(fold_layer(c.config, queries[i], c.kv.dense_keys(c.size()),
+                                   c.size(), m.scale, offset, pos[rows], score[rows],
                                    count[rows], self._slot[rows], width))
         pos, score, count, victim = (mx.concatenate(x, axis=0) for x in zip(*outs))
         return pos, score, count, victim, [o[3] for o in outs]

@@ -132,9 +132,6 @@ class H2OKVCache(SlotCache, _BaseCache):
         mx.eval(out, self.score, self.count, self.positions)
         return out
 
-    def size(self) -> int:
-        return self._n
-
     @classmethod
     def merge(cls, caches) -> "BatchH2OKVCache":  # noqa: F821
         """mlx-lm's batch contract (BatchGenerator, the server): a

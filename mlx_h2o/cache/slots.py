@@ -144,6 +144,12 @@ class SlotCache:
         self._meta_pending = False
 
     # --- compaction -------------------------------------------------------------
+    def _compact_past_budget(self):
+        """A prompt left past the budget (``prefill_compact="prompt"``) is
+        compacted by the first decode step."""
+        if self._n > self.max_size:
+            self._compact()
+
     def _compact(self):
         pri, pos = self._priority(self.offset)
         self.evicted += self._n - self.max_size
@@ -210,7 +216,6 @@ class SlotCache:
         return (cfg.prefill_compact == "prompt" and 0 < cfg.prefill_window <= L
                 and self._n - L > self.max_size)
 
-
     # --- masks ------------------------------------------------------------------
     def _mask(self, L, mask):
         own = self._position_mask(L)
@@ -238,8 +243,7 @@ class SlotCache:
     def set_slot_metadata(self, positions, score, count) -> None:
         self._positions, self._score, self._count = positions, score, count
 
-    @property
-    def slots_used(self) -> int:
+    def size(self) -> int:
         return self._n
 
     def _with_metadata(self, out):

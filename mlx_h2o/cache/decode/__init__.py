@@ -45,13 +45,14 @@ def decode_step(cache, kind: str = "auto", defer: int = DEFER_STEPS,
         kind = "fused" if runs_on_gpu() else "compiled"
     kv, cfg = cache.kv, cache.config
     mode = score_mode(cfg.score)
+    sdpa = group is not None  # a group step attends its victim's token by SDPA
     if kind == "reference":
-        step = ReferenceStep(cache)
+        step = ReferenceStep(cache, sdpa)
     elif kind == "compiled":
-        step = (MixedCompiledStep if kv.moves_on_evict else CompiledStep)(cache)
+        step = (MixedCompiledStep if kv.moves_on_evict else CompiledStep)(cache, sdpa)
     else:  # a score mode without a kernel branch folds by the reference
         step = FusedStep(cache, fuse=kv.plain and mode.kernel,
-                         fold_kernel=mode.kernel and not kv.moves_on_evict)
+                         fold_kernel=mode.kernel and not kv.moves_on_evict, sdpa_victims=sdpa)
     if group is not None:
         step = GroupedStep(step, group)
     if (defer and kv.plain and cache.window_size is None

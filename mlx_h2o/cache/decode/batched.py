@@ -22,8 +22,7 @@ class BatchedEviction(Wrapper):
 
     def update(self, keys, values):
         c = self.cache
-        if c._n > c.max_size:
-            c._compact()  # the prompt is over (prefill_compact="prompt")
+        c._compact_past_budget()
         if c._n >= c.max_size:
             self.evict()  # room for the next evict_batch decode tokens
         return self.inner.update(keys, values)

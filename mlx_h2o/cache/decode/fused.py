@@ -41,8 +41,9 @@ class FusedStep(ReferenceStep):
     kind = "fused"
     kernel_writes_meta = True
 
-    def __init__(self, cache, fuse: bool = True, fold_kernel: bool = True):
-        super().__init__(cache)
+    def __init__(self, cache, fuse: bool = True, fold_kernel: bool = True,
+                 sdpa_victims: bool = False):
+        super().__init__(cache, sdpa_victims)
         self.fuse, self.fold_kernel = fuse, fold_kernel
         self.plan = self.plan_key = None
 

@@ -19,16 +19,9 @@ class GroupedStep(Wrapper):
         group.add(self)
 
     def update(self, keys, values):
-        c, group = self.cache, self.group
-        if c._victim is None and group.waits_for(self):
-            group.flush()  # a new token: last token's folds, every member's victim
-        if not c._into_victim():
-            return self.inner.update(keys, values)
-        c.token_bytes = keys.nbytes + values.nbytes
-        c._write_picked_victim(keys, values, for_sdpa=True)
-        c.offset += 1
-        c._pending = 1
-        return c.kv.fetch(c._n)
+        if self.cache._victim is None and self.group.waits_for(self):
+            self.group.flush()  # a new token: last token's folds, every member's victim
+        return self.inner.update(keys, values)  # (decode_step: sdpa_victims)
 
     def attend(self, queries, keys, values, scale, mask, sinks):
         c = self.cache

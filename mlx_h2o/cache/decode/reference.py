@@ -15,11 +15,17 @@ class ReferenceStep(DecodeStep):
     # kernel (FusedStep), not by the update.
     kernel_writes_meta = False
 
+    def __init__(self, cache, sdpa_victims: bool = False):
+        super().__init__(cache)
+        # In a StepGroup the victim's token is attended by MLX's SDPA: a
+        # quantized storage's write then also hands it dense K/V.
+        self.sdpa_victims = sdpa_victims
+
     def update(self, keys, values):
         c = self.cache
         c.token_bytes = keys.nbytes + values.nbytes
-        if c._into_victim():
-            c._write_picked_victim(keys, values)  # the evicting steady state
+        if c._into_victim():  # the evicting steady state
+            c._write_picked_victim(keys, values, for_sdpa=self.sdpa_victims)
         else:
             self.place(keys, values)
         c.offset += 1
@@ -30,8 +36,7 @@ class ReferenceStep(DecodeStep):
         """The token into a slot: the policy's victim of a full cache, else a new one."""
         c = self.cache
         c._slot = c._victim = None
-        if c._n > c.max_size:
-            c._compact()  # the prompt is over (prefill_compact="prompt")
+        c._compact_past_budget()
         if c._n >= c.max_size:
             c._slot = c._write_into_victim(keys, values)
         else:
