@@ -6,6 +6,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Optional
 
+from ..eval.results import DEFAULT_ROOT
+
 PLOT_HINT = "pip install 'mlx-h2o[plot]'"
 
 
@@ -43,6 +45,21 @@ def add_contexts_arg(parser: argparse.ArgumentParser) -> None:
     """The retrieval commands' ``--contexts``."""
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096],
                         help="prompt lengths in tokens")
+
+
+def add_prompt_args(parser: argparse.ArgumentParser) -> None:
+    """The retrieval commands' ``--strategies`` and ``--prefill-step``."""
+    parser.add_argument("--strategies", nargs="+",
+                        default=["baseline", "rotating", "h2o-heavy"],
+                        help="names from mlx_h2o.eval.strategies (name:key=value,...)")
+    parser.add_argument("--prefill-step", type=int, default=2048,
+                        help="prompt chunk size (mlx-lm generate's default is 2048)")
+
+
+def add_output_args(parser: argparse.ArgumentParser) -> None:
+    """Where the evaluation commands write, and their progress bars."""
+    parser.add_argument("--results-dir", default=DEFAULT_ROOT, help="root of the results")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:

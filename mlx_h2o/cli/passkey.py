@@ -11,10 +11,12 @@ import json
 import time
 
 from ..eval.common import fmt_table
-from ..eval.results import DEFAULT_ROOT, ResultsDir, machine_info
+from ..eval.results import ResultsDir, machine_info
 from .common import (
     add_contexts_arg,
     add_model_arg,
+    add_output_args,
+    add_prompt_args,
     check_model_arg,
     command_parser,
     has_matplotlib,
@@ -32,17 +34,13 @@ def setup_arg_parser():
                    help="where the passkey sits in the filler (0 = start, 1 = end)")
     p.add_argument("--budgets", type=float, nargs="+", default=[0.25],
                    help="KV budget per layer: <= 1 a fraction of the context, else tokens")
-    p.add_argument("--strategies", nargs="+", default=["baseline", "rotating", "h2o-heavy"],
-                   help="names from mlx_h2o.eval.strategies (name:key=value,...)")
+    add_prompt_args(p)
     p.add_argument("--trials", type=int, default=4, help="prompts per (context, depth)")
-    p.add_argument("--prefill-step", type=int, default=2048,
-                   help="prompt chunk size (mlx-lm generate's default is 2048)")
     p.add_argument("--new-tokens", type=int, default=8, help="tokens decoded for the answer")
     p.add_argument("--batch-size", type=int, default=0,
                    help="prompts per batch (0: one batch per context length)")
     p.add_argument("--seed", type=int, default=0, help="seed of the passkeys")
-    p.add_argument("--results-dir", default=DEFAULT_ROOT, help="root of the results")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_output_args(p)
     return p
 
 

@@ -12,11 +12,12 @@ import json
 import time
 
 from ..eval.common import fmt_table
-from ..eval.results import DEFAULT_ROOT, ResultsDir, machine_info
+from ..eval.results import ResultsDir, machine_info
 from ..eval.strategies import DEFAULT_STRATEGIES
 from .common import (
     add_corpus_arg,
     add_model_arg,
+    add_output_args,
     check_model_arg,
     command_parser,
     ensure_corpus_or_fail,
@@ -50,8 +51,7 @@ def setup_arg_parser():
                    help="samples per batch (0: all samples in one batch)")
     p.add_argument("--seed", type=int, default=0, help="seed of the window sampling")
     p.add_argument("--no-bos", action="store_true", help="do not start samples with BOS")
-    p.add_argument("--results-dir", default=DEFAULT_ROOT, help="root of the results")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_output_args(p)
     return p
 
 

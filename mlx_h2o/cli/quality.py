@@ -13,9 +13,15 @@ import json
 import time
 
 from ..eval.evalsets import EVAL_SETS, eval_set, pooled
-from ..eval.results import DEFAULT_ROOT, machine_info
-from .common import command_parser, ensure_corpus_or_fail, fail, load_model_or_fail, \
-    strategies_or_fail
+from ..eval.results import machine_info
+from .common import (
+    add_output_args,
+    command_parser,
+    ensure_corpus_or_fail,
+    fail,
+    load_model_or_fail,
+    strategies_or_fail,
+)
 
 COLUMNS = ("model", "corpus", "strategy", "ppl", "delta_pct", "delta_se_pct", "ratio",
            "ratio_se", "ratio_ci95")
@@ -33,8 +39,7 @@ def setup_arg_parser():
                    help="names from mlx_h2o.eval.strategies; the first must be baseline")
     p.add_argument("--reference", default="rotating",
                    help="the strategy whose PPL change the others are divided by")
-    p.add_argument("--results-dir", default=DEFAULT_ROOT, help="root of the results")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_output_args(p)
     return p
 
 
