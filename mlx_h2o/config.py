@@ -34,7 +34,8 @@ class H2OConfig:
     its tokens will be needed.
     ``prefill_pool`` > 1 max-pools such a chunk's scores over that many
     neighbouring positions, so the tokens around an attended one (the rest of
-    a number, a name) stay with it.
+    a number, a name) stay with it. Neither applies to ``key_norm``, whose
+    scores come from the keys, not from attention.
 
     ``prefill_compact`` says when a prompt that overflows the budget is
     compacted to ``max_size``:

@@ -36,7 +36,8 @@ def fold_scores(
     last ``window`` queries of the call. ``pool`` > 1 (with ``positions``, the
     slots' token positions) max-pools the call's contribution over keys within
     ``pool // 2`` positions, for calls of L > 1 queries (prompt chunks).
-    ``mode`` names a ``scores.SCORES`` entry: its fold and magnitude apply.
+    ``mode`` names a ``scores.SCORES`` entry: its fold and magnitude apply
+    (a "fixed" fold leaves ``score`` as written: ``written_score``).
     """
     spec = score_mode(mode)
     L = logits.shape[2]
@@ -47,6 +48,8 @@ def fold_scores(
     lg = logits.reshape(B, Hk, Hq // Hk, Lw, N)
     visible = lg[:, :, 0] > -mx.inf  # (B, Hk, Lw, N)
     seen = visible.astype(mx.float32).sum(axis=2)  # (B, Hk, N)
+    if spec.fold == "fixed":
+        return score, count + seen
     if spec.magnitude == "abs_logit":
         mag = mx.where(visible[:, :, None], mx.abs(lg), 0.0)
     else:  # probability
@@ -63,6 +66,18 @@ def fold_scores(
     else:
         score = score + step
     return score, count + seen
+
+
+def written_score(mode: str, keys: mx.array):
+    """The score slots start with when ``keys`` (B, n_kv_heads, L, D) are
+    written: for a key-norm mode, (B, n_kv_heads, L) float32 ``-||k||_2`` of
+    each key as the cache receives it (after RoPE; a quantized cache's
+    incoming float key, so every storage ranks the same numbers); 0.0 for the
+    attention modes, whose folds add to it."""
+    if not score_mode(mode).from_keys:
+        return 0.0
+    k = keys.astype(mx.float32)  # float16 squares overflow past |k| ~ 256
+    return -mx.sqrt((k * k).sum(axis=-1))
 
 
 def pool_neighbours(x: mx.array, positions: mx.array, radius: int) -> mx.array:

@@ -9,6 +9,9 @@ one entry here; a new (fold, magnitude, rank) combination also needs its branch
 in ``policy.fold_scores``, and in the kernels' ``FOLD`` before its entry may say
 ``kernel=True``. A mode with ``kernel=False`` runs on the op-by-op and compiled
 CPU decode paths only (``policy.fold_scores``): no GPU path may take it.
+A mode whose magnitude is ``key_norm`` scores a slot from its key when the key
+is written (``policy.written_score``, at every metadata write of the caches)
+and its ``fold`` is "fixed": attention never changes the score.
 
 Every mode keeps one score per (sequence, KV head, slot): the query heads of a
 GQA group are averaged, and ``count`` is the number of queries that could see
@@ -20,8 +23,10 @@ from types import MappingProxyType
 from typing import Mapping, Tuple
 
 # s += step | s = alpha * s + (1 - alpha) * mean step | s = mean step (this call's only)
-FOLDS = ("sum", "ema", "last")
-MAGNITUDES = ("probability", "abs_logit")  # softmax attention | |logit| of visible keys
+# | s as written (attention never changes it)
+FOLDS = ("sum", "ema", "last", "fixed")
+# softmax attention | |logit| of visible keys | -||k||_2 of the key, set when written
+MAGNITUDES = ("probability", "abs_logit", "key_norm")
 RANKS = ("score", "per_query")  # s | s / max(count, 1)
 
 
@@ -33,8 +38,10 @@ class ScoreMode:
     "ema" folds each call's mean over the queries that saw the key into an
     EMA (``alpha``: ``H2OConfig.ema_alpha``; the first sight sets it);
     "last" replaces the score by the call's mean over the queries that saw
-    the key (keys no query of the call saw keep theirs).
-    ``magnitude`` is what a query contributes to a key. ``rank`` is the
+    the key (keys no query of the call saw keep theirs); "fixed" keeps the
+    score a slot was written with (magnitude "key_norm" only).
+    ``magnitude`` is what a query contributes to a key (for "key_norm": what
+    the key itself gives, once, when it is written). ``rank`` is the
     number eviction compares: the score, or the score per query that saw the
     key. ``kernel_id``: the kernels' ``MODE`` constant; ``kernel``: whether
     the kernels' ``FOLD`` computes the mode (False: ``kernel_id`` is only
@@ -68,6 +75,17 @@ class ScoreMode:
         if self.deferrable and (self.fold, self.magnitude) != ("sum", "probability"):
             raise ValueError(f"score mode {self.name!r}: only a sum of probabilities is "
                              "deferrable (the queue fold adds probabilities)")
+        if (self.fold == "fixed") != (self.magnitude == "key_norm"):
+            raise ValueError(f"score mode {self.name!r}: fold 'fixed' goes with magnitude "
+                             "'key_norm' (a score set from the key when it is written)")
+        if self.magnitude == "key_norm" and self.kernel:
+            raise ValueError(f"score mode {self.name!r}: the kernels have no key-norm "
+                             "branch; use kernel=False")
+
+    @property
+    def from_keys(self) -> bool:
+        """The score is set from the key when it is written, never by attention."""
+        return self.magnitude == "key_norm"
 
 
 def _registry(*modes: ScoreMode) -> Mapping[str, ScoreMode]:
@@ -104,6 +122,15 @@ SCORES: Mapping[str, ScoreMode] = _registry(
         "s = the latest call's group-mean softmax attention, averaged over that "
         "call's queries that saw the key (decode: the current query's alone; a "
         "prompt chunk: its last prefill_window queries); ranked by s."),
+    ScoreMode(
+        "key_norm", "knorm", "fixed", "key_norm", "score", kernel_id=5, deferrable=False,
+        kernel=False,
+        description="Key norm (Devoto et al. 2024, 'A Simple and Effective L2 "
+        "Norm-Based Strategy for KV Cache Compression'; kvpress's KnormPress): "
+        "s = -||k||_2 per KV head, k the key as the cache receives it (after RoPE, "
+        "before any quantization, float32), set once when the key is written and "
+        "never changed by attention; ranked by s, so the largest norm goes first. "
+        "prefill_window and prefill_pool do not apply."),
 )
 SCORE_MODES: Tuple[str, ...] = tuple(SCORES)
 DEFERRABLE: Tuple[str, ...] = tuple(n for n, m in SCORES.items() if m.deferrable)

@@ -125,6 +125,7 @@ CONFIGS = {
     "prompt": H2OConfig(max_size=12, sink_size=2, prefill_compact="prompt",
                         prefill_window=4),
     "pinned": H2OConfig(max_size=12, sink_size=2, heavy_budget=6, pinned=((5, 7),)),
+    "key_norm": H2OConfig(max_size=12, sink_size=2, heavy_budget=6, score="key_norm"),
 }
 
 

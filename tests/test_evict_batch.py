@@ -4,7 +4,7 @@ invariants over random streams, round trips, config errors, a tiny model."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache
 
@@ -110,6 +110,8 @@ configs = st.builds(
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=configs, prompt=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
+@example(cfg=H2OConfig(max_size=12, sink_size=2, heavy_budget=5, score="key_norm",
+                       evict_batch=3), prompt=17, seed=0)
 def test_invariants_over_random_streams(cfg, prompt, seed):
     """A prompt chunk (compacted to max_size if it overflows), then decode tokens."""
     rng, cache, seen = np.random.default_rng(seed), H2OKVCache(cfg), 0

@@ -11,6 +11,7 @@ from mlx_h2o import H2OConfig, H2OKVCache, make_h2o_cache
 from mlx_h2o.integration import routing
 from mlx_h2o.integration.generate import generate, stream_generate
 from mlx_h2o.integration.stats import cache_stats
+from mlx_h2o.scores import SCORE_MODES
 from tiny_models import BUILDERS, VOCAB, tiny_llama
 
 
@@ -25,13 +26,14 @@ def run(model, cache, tokens, prefill, chunk=None):
     return mx.concatenate(outs, axis=1)
 
 
+@pytest.mark.parametrize("score", SCORE_MODES)
 @pytest.mark.parametrize("arch", sorted(BUILDERS))
 @pytest.mark.parametrize("chunk", [None, 7])
-def test_exact_equivalence_within_budget(arch, chunk):
+def test_exact_equivalence_within_budget(arch, chunk, score):
     model = BUILDERS[arch]()
     tokens = mx.random.randint(0, VOCAB, (2, 40))
     ref = run(model, make_prompt_cache(model), tokens, 23, chunk)
-    cache = make_h2o_cache(model, H2OConfig(max_size=40))
+    cache = make_h2o_cache(model, H2OConfig(max_size=40, score=score))
     out = run(model, cache, tokens, 23, chunk)
     np.testing.assert_allclose(np.array(out), np.array(ref), atol=2e-4, rtol=1e-4)
     assert mx.array_equal(out.argmax(-1), ref.argmax(-1))

@@ -87,6 +87,11 @@ def test_entries_are_validated():
                 dict(kernel_id=-1), dict(kernel=1)):
         with pytest.raises(ValueError, match="score mode 'accumulated'"):
             dataclasses.replace(m, **bad)
+    for bad in (dict(fold="fixed"), dict(magnitude="key_norm", kernel=False)):
+        with pytest.raises(ValueError, match="fold 'fixed' goes with magnitude 'key_norm'"):
+            dataclasses.replace(SCORES["ema"], **bad)
+    with pytest.raises(ValueError, match="no key-norm branch"):
+        dataclasses.replace(SCORES["key_norm"], kernel=True)
     with pytest.raises(ValueError, match="share a name"):
         scores._registry(m, m)
     with pytest.raises(ValueError, match="share a kernel_id"):
@@ -113,11 +118,18 @@ def test_short_name_is_a_strategy_suffix(mode):
 
 
 def test_swift_score_mode_enum_matches_the_registry():
-    """H2OCore's ScoreMode: its raw values are the registry's names, in order
-    (its core folds every mode as policy.fold_scores does)."""
+    """H2OCore's ScoreMode: its raw values, then its ``pythonOnly`` names (modes
+    it refuses by name), are the registry's names in order: the unknown-mode
+    error lists them as Python's does (config_cases vectors). The cases it has
+    it folds as policy.fold_scores does; key-norm needs the keys, which its
+    slots never see."""
     with open(SWIFT_CONFIG) as f:
         text = f.read()
     body = re.search(r"public enum ScoreMode\b[^{]*\{(.*?)\n\s*public init", text, re.S)
     assert body, "ScoreMode enum not found in H2OConfig.swift"
     cases = re.findall(r'^\s*case (\w+)(?:\s*=\s*"([^"]*)")?\s*$', body.group(1), re.M)
-    assert tuple(raw or name for name, raw in cases) == SCORE_MODES
+    only = re.search(r"static let pythonOnly = \[([^\]]*)\]", body.group(1))
+    assert only, "ScoreMode.pythonOnly not found in H2OConfig.swift"
+    refused = tuple(re.findall(r'"([^"]*)"', only.group(1)))
+    assert tuple(raw or name for name, raw in cases) + refused == SCORE_MODES
+    assert all(SCORES[n].from_keys for n in refused)

@@ -96,12 +96,14 @@ class BatchRows:
         self.values[..., n : n + L, :] = values
         self.positions[..., n : n + L] = mx.broadcast_to(
             qpos[:, None], (*keys.shape[:2], L))
-        self.score[..., n : n + L] = 0.0
+        self.score[..., n : n + L] = policy.written_score(self.config.score, keys)
         self.count[..., n : n + L] = 0.0
         self._n = n + L
 
     def _put(self, slot, keys, values, position):
-        self._set_arrays(bs.put_token(self._arrays(), slot, keys, values, position))
+        written = policy.written_score(self.config.score, keys)
+        self._set_arrays(bs.put_token(self._arrays(), slot, keys, values, position,
+                                      written))
 
     def _meta(self):
         n = self._n

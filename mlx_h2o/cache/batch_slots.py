@@ -65,17 +65,19 @@ def forget(meta, keep):
             mx.where(keep, count, 0.0))
 
 
-def put_token(arrays, slot, keys, values, position):
+def put_token(arrays, slot, keys, values, position, written=0.0):
     """Write one token per (row, KV head) into ``slot`` (B, Hk): its K/V,
-    ``position`` (B, 1, 1) and fresh scores. ``arrays``: (keys, values,
+    ``position`` (B, 1, 1), a zero count and the score ``written``
+    (policy.written_score of ``keys``). ``arrays``: (keys, values,
     positions, score, count) buffers; returns the new five."""
     K, V, pos, score, count = arrays
     idx = slot.astype(mx.int32)[..., None]  # (B, Hk, 1)
     zero = mx.zeros(idx.shape, mx.float32)
+    start = zero if isinstance(written, float) else written
     return (mx.put_along_axis(K, idx[..., None], keys, axis=2),
             mx.put_along_axis(V, idx[..., None], values, axis=2),
             mx.put_along_axis(pos, idx, mx.broadcast_to(position, idx.shape), axis=2),
-            mx.put_along_axis(score, idx, zero, axis=2),
+            mx.put_along_axis(score, idx, start, axis=2),
             mx.put_along_axis(count, idx, zero, axis=2))
 
 

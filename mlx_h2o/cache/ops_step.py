@@ -40,9 +40,10 @@ def in_window(positions, offset, window_size: int):
 
 def evict_step(config: H2OConfig, scale: float, queries, keys, values, positions, score,
                count, slot, offset, zones=None, window_size=None,
-               attend=reference.scaled_dot_product_attention_with_scores):
+               attend=reference.scaled_dot_product_attention_with_scores, written=0.0):
     """One decode query whose token went into ``slot``: the slot gets position
-    ``offset - 1`` and fresh scores, the query attends all N slots of
+    ``offset - 1`` and fresh scores (score ``written``: policy.written_score
+    of the token), the query attends all N slots of
     ``keys`` / ``values`` (a sliding-window layer: those whose positions it
     still sees), its attention is folded in, and the next victim is ranked
     at ``offset + 1``.
@@ -52,7 +53,7 @@ def evict_step(config: H2OConfig, scale: float, queries, keys, values, positions
     (B, Hk, N); slot (B, Hk, 1) or a victim (B, Hk, 1, ·); ``offset`` and
     ``zones`` as in slot_priority.
     Returns (out, positions, score, count, victim (B, Hk, 1, 1) int32)."""
-    p, s, c = _fresh_slot(positions, score, count, slot, offset - 1)
+    p, s, c = _fresh_slot(positions, score, count, slot, offset - 1, written)
     seen = None if window_size is None else in_window(p, offset, window_size)[:, :, None]
     out, logits, lse = attend(queries, keys, values, scale=scale, mask=seen)
     return (out, *fold_and_pick(config, logits, lse, p, s, c, offset, zones, window_size))
@@ -87,13 +88,13 @@ def with_tail(head, full):
     return [mx.concatenate([h, f[..., h.shape[-1]:]], axis=-1) for h, f in zip(head, full)]
 
 
-def _fresh_slot(positions, score, count, slot, position):
+def _fresh_slot(positions, score, count, slot, position, written=0.0):
     """storage.fresh_slot as selects: under mx.compile they fuse with the
     fold's elementwise ops, where three scatters and their fills stayed five
     primitives (~4% of a CPU step at 256 slots)."""
     slot = slot[..., 0] if slot.ndim == 4 else slot
     hit = mx.arange(positions.shape[-1]) == slot  # (B, Hk, N)
-    return (mx.where(hit, position, positions), mx.where(hit, 0.0, score),
+    return (mx.where(hit, position, positions), mx.where(hit, written, score),
             mx.where(hit, 0.0, count))
 
 
@@ -113,19 +114,21 @@ def compiled_step(config: H2OConfig, scale: float, window_size=None,
                   kind=("dense",)) -> Callable:
     """``evict_step`` for one cache's settings through mx.compile:
     (queries, keys, values, positions, score, count, slot, offset, sink,
-    recent) -> (out, positions, score, count, victim), the victim as the
+    recent, written) -> (out, positions, score, count, victim), the victim as the
     next token's K/V writes take it: repeated along D for dense K/V,
     (B, Hk, 1, 1) for quantized triples (``kind``: the storage's
     ``group_kind``). ``offset``, ``sink`` and ``recent`` are int32 scalar
     arrays: as Python ints they would be traced as constants, so every
     token (offset) and every layer size of a layer profile (zones) would
-    get its own compiled code (on the CPU, its own C++ build, ~0.5 s each)."""
+    get its own compiled code (on the CPU, its own C++ build, ~0.5 s each).
+    ``written``: the token's score (``written_input``)."""
     attend = attention_for(kind)
 
-    def step(queries, keys, values, positions, score, count, slot, offset, sink, recent):
+    def step(queries, keys, values, positions, score, count, slot, offset, sink, recent,
+             written):
         out, p, s, c, victim = evict_step(config, scale, queries, keys, values, positions,
                                           score, count, slot, offset, (sink, recent),
-                                          window_size, attend)
+                                          window_size, attend, written)
         if kind[0] == "dense":
             victim = mx.broadcast_to(victim, (*victim.shape[:3], keys.shape[3]))
         return out, p, s, c, victim
@@ -164,6 +167,17 @@ def compiled_fill(config: H2OConfig, scale: float, window_size=None,
 def int_array(value: int) -> mx.array:
     """A compiled step's int32 scalar input for a per-layer constant (made once)."""
     return mx.array(value, mx.int32)
+
+
+@lru_cache(maxsize=8)
+def _float_array(value: float) -> mx.array:
+    return mx.array(value, mx.float32)
+
+
+def written_input(written) -> mx.array:
+    """compiled_step's ``written`` input: a token's policy.written_score, the
+    attention modes' 0.0 as a scalar array made once."""
+    return written if isinstance(written, mx.array) else _float_array(float(written))
 
 
 def zone_arrays(sink_size: int, recent_budget: int):

@@ -196,7 +196,7 @@ def mixed_evict(config, window_size, kv, positions, score, count, n, keys, value
     target = kv.promote(victim, pos, split)
     # The oldest recent token's metadata moves with it; its slot starts afresh.
     moved = (put_slot(a, victim, take_slots(a, target, n)) for a in (positions, score, count))
-    meta = fresh_slot(*moved, target, offset)
+    meta = fresh_slot(*moved, target, offset, policy.written_score(config.score, keys))
     kv.write_slot(target, keys, values, split)
     return (*meta, target)
 

@@ -18,6 +18,7 @@ import mlx.core as mx
 from .. import policy
 from ..config import H2OConfig, check_window_size
 from ..kernels import scaled_dot_product_attention_with_scores
+from ..scores import score_mode
 from .ops_step import slot_priority
 from .storage import DenseKV, fresh_slot, resize_slots, take_slots
 
@@ -63,6 +64,9 @@ class SlotCache:
         self._slot = None  # (B, Hk, 1[, D]) slot this step's token overwrote
         self._meta_pending = False  # this step's token has no position / scores yet
         self._victim = None  # (B, Hk, 1, ·) slot of the next decode token, picked ahead
+        # The score the last written token(s) start with (policy.written_score:
+        # -||k|| for a key-norm mode, else 0.0), until their metadata is written.
+        self._new_score = 0.0
 
     @property
     def max_size(self) -> int:
@@ -75,6 +79,7 @@ class SlotCache:
         if need > self.kv.capacity:
             self._grow(need, keys, values)
         self.kv.write(n, keys, values)
+        self._note_written(keys)
         self._n = need
         self._meta_pending = not meta
         if meta:
@@ -82,8 +87,12 @@ class SlotCache:
 
     def _write_append_meta(self, n, L, first):
         self.positions[..., n : n + L] = mx.arange(first, first + L)
-        self.score[..., n : n + L] = 0.0
+        self.score[..., n : n + L] = self._new_score
         self.count[..., n : n + L] = 0.0
+
+    def _note_written(self, keys):
+        """Keep the score of the keys just written for their metadata write."""
+        self._new_score = policy.written_score(self.config.score, keys)
 
     def _write_pending_meta(self):
         """The last decode token's position and scores, when no kernel wrote them."""
@@ -117,6 +126,7 @@ class SlotCache:
         # int32: a fused step may read it next (argmin gives uint32).
         slot = policy.select_victim(pri, pos).astype(mx.int32)[..., None]  # (B, Hk, 1)
         self.kv.write_slot(slot, keys, values)
+        self._note_written(keys)
         self._write_slot_meta(slot, self.offset)
         self.evicted += 1
         return slot
@@ -132,6 +142,7 @@ class SlotCache:
         (``_victim``), its metadata left to the step's kernel or fold."""
         victim = self._victim
         self.kv.write_index(victim, keys, values, for_sdpa=for_sdpa)
+        self._note_written(keys)
         self._slot, self._victim = victim, None
         self._meta_pending = True
         self.evicted += 1
@@ -140,7 +151,7 @@ class SlotCache:
         """Position of the token written into ``slot``, with fresh scores."""
         position = self.offset - 1 if position is None else position
         self.positions, self.score, self.count = fresh_slot(
-            self.positions, self.score, self.count, slot, position)
+            self.positions, self.score, self.count, slot, position, self._new_score)
         self._meta_pending = False
 
     # --- compaction -------------------------------------------------------------
@@ -211,9 +222,11 @@ class SlotCache:
             self._compact()  # "prompt" waits for the first decode step
 
     def _replaces_window(self, L) -> bool:
-        """A later chunk of a prompt left uncompacted: its window alone decides."""
+        """A later chunk of a prompt left uncompacted: its window alone decides
+        (a key-norm score is the key's own: no window replaces it)."""
         cfg = self.config
         return (cfg.prefill_compact == "prompt" and 0 < cfg.prefill_window <= L
+                and not score_mode(cfg.score).from_keys
                 and self._n - L > self.max_size)
 
     # --- masks ------------------------------------------------------------------

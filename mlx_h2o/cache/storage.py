@@ -52,14 +52,16 @@ def put_slot(a, slot, value):
     return mx.put_along_axis(a, idx, value, axis=2)
 
 
-def fresh_slot(positions, score, count, slot, position):
+def fresh_slot(positions, score, count, slot, position, written=0.0):
     """(positions, score, count) with ``slot`` (B, Hk, 1), or a fused step's
     (B, Hk, 1, ·) victim, holding ``position`` (an int, or an int32 scalar
-    array under mx.compile) and zero scores."""
+    array under mx.compile), a zero count and the score ``written``
+    (policy.written_score: 0.0, or the token's (B, Hk, 1) key-norm score)."""
     slot = slot[..., 0] if slot.ndim == 4 else slot
     zero = mx.zeros(slot.shape, mx.float32)
+    start = zero if isinstance(written, float) else written
     return (put_slot(positions, slot, mx.full(slot.shape, position, mx.int32)),
-            put_slot(score, slot, zero), put_slot(count, slot, zero))
+            put_slot(score, slot, start), put_slot(count, slot, zero))
 
 
 class DenseKV:

@@ -12,7 +12,7 @@ GPU stream, masks, attention sinks) the reference step runs.
 import mlx.core as mx
 
 from ...kernels import H2OFold
-from ..ops_step import compiled_fill, compiled_step, int_array, zone_arrays
+from ..ops_step import compiled_fill, compiled_step, int_array, written_input, zone_arrays
 from .reference import ReferenceStep
 
 
@@ -57,7 +57,8 @@ class CompiledStep(ReferenceStep):
         step = compiled_step(cfg, float(scale), c.window_size, kind)
         out, *state = step(
             queries, keys, values, *c.slot_metadata(), c._slot,
-            mx.array(c.offset, mx.int32), *zone_arrays(cfg.sink_size, cfg.recent_budget))
+            mx.array(c.offset, mx.int32), *zone_arrays(cfg.sink_size, cfg.recent_budget),
+            written_input(c._new_score))
         self.take(H2OFold(*state))
         return c._with_metadata(out)
 

@@ -16,10 +16,22 @@ public enum ScoreMode: String, Sendable, CaseIterable, Codable {
     /// averaged over its queries that saw the key; earlier calls forgotten.
     case tova
 
+    /// Modes of the Python package this core does not implement (it refuses
+    /// them by name): `key_norm` scores a slot by its key's L2 norm when the key
+    /// is written, and these slots never see keys.
+    public static let pythonOnly = ["key_norm"]
+
     /// Parses a mode name, with the Python package's error for an unknown one.
     public init(name: String) throws {
         guard let mode = ScoreMode(rawValue: name) else {
-            let modes = ScoreMode.allCases.map { "'\($0.rawValue)'" }.joined(separator: ", ")
+            let ours = ScoreMode.allCases.map { "'\($0.rawValue)'" }.joined(separator: ", ")
+            if ScoreMode.pythonOnly.contains(name) {
+                throw H2OConfigError(
+                    "score='\(name)' runs in the Python package only, not in the Swift "
+                        + "port; use one of (\(ours))")
+            }
+            let all = ScoreMode.allCases.map(\.rawValue) + ScoreMode.pythonOnly
+            let modes = all.map { "'\($0)'" }.joined(separator: ", ")
             throw H2OConfigError("score='\(name)' is not a score mode; use one of (\(modes))")
         }
         self = mode

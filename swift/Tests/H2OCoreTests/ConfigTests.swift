@@ -121,5 +121,11 @@ struct ConfigTests {
         }
         #expect(try H2OConfig(dictionary: ["max_size": 8, "evict_batch": 1]) == H2OConfig(maxSize: 8))
         #expect(try ScoreMode(name: "attention_ema") == .attentionEma)
+        // Python's key_norm is not ported: refused with an error that says so.
+        #expect(
+            throws: H2OConfigError(
+                "score='key_norm' runs in the Python package only, not in the Swift port; "
+                    + "use one of ('ema', 'accumulated', 'normalized', 'attention_ema', 'tova')")
+        ) { try H2OConfig(dictionary: ["max_size": 8, "score": "key_norm"]) }
     }
 }
