@@ -94,7 +94,7 @@ class H2OConfig:
     pinned: Tuple[Tuple[int, int], ...] = field(default_factory=tuple)
     step: int = 256
     prefill_window: int = 32
-    prefill_pool: int = 11
+    prefill_pool: int = 21
     prefill_compact: str = "chunk"
     evict_batch: int = 1
 

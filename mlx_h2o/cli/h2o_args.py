@@ -2,6 +2,7 @@
 any model loads; config errors in the flags' words (``flagify``)."""
 
 import argparse
+import dataclasses
 import re
 from typing import Optional, Tuple
 
@@ -32,8 +33,8 @@ H2O_DEFAULTS = {
     "h2o_layer_budget": "auto", "h2o_kv_bits": None, "h2o_kv_group_size": 64,
     "h2o_kv_recent_bits": None,
 }
-_LIB = {"score": "accumulated", "prefill_window": 32, "prefill_pool": 11,
-        "prefill_compact": "chunk", "evict_batch": 1}
+# The library's defaults, named in the help texts.
+_LIB = {f.name: f.default for f in dataclasses.fields(H2OConfig)}
 
 
 def flagify(message: str) -> str:

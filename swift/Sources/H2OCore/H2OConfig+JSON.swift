@@ -39,7 +39,7 @@ extension H2OConfig {
             heavyBudget: try int("heavy_budget"), recentBudget: try int("recent_budget"),
             score: score, emaAlpha: alpha, pinned: try pinnedRanges(pairs),
             step: try int("step") ?? 256, prefillWindow: try int("prefill_window") ?? 32,
-            prefillPool: try int("prefill_pool") ?? 11)
+            prefillPool: try int("prefill_pool") ?? 21)
     }
 
     /// Parses `json.dumps(config_to_dict(config))`.

@@ -77,7 +77,7 @@ public struct H2OConfig: Equatable, Sendable {
     public init(
         maxSize: Int, sinkSize: Int = 4, heavyBudget: Int? = nil, recentBudget: Int? = nil,
         score: ScoreMode = .accumulated, emaAlpha: Double = 0.95, pinned: [Range<Int>] = [],
-        step: Int = 256, prefillWindow: Int = 32, prefillPool: Int = 11
+        step: Int = 256, prefillWindow: Int = 32, prefillPool: Int = 21
     ) throws {
         try checkInt("max_size", maxSize, 1)
         try checkInt("sink_size", sinkSize, 0)
