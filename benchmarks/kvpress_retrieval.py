@@ -299,7 +299,7 @@ def main(argv=None) -> int:
         print(f"logit check failed: {diff:.3g} > --logit-tol {args.logit_tol}", file=sys.stderr)
         return 1
     rows = run_grid(model, tokenizer, prompts, table, names, out, args, task_accuracy)
-    cols = ("context", "strategy", "budget", "max_kv", *args.tasks, "mean", "seconds")
+    cols = ("context", "strategy", "budget", "max_kv", *args.tasks, "mean", "kept", "seconds")
     (out / "summary.json").write_text(json.dumps({"config": config, "rows": rows}, indent=1))
     (out / "summary.md").write_text(fmt_table(rows, cols) + "\n")
     print("\n" + fmt_table(rows, cols))
@@ -309,8 +309,11 @@ def main(argv=None) -> int:
 
 def run_grid(model, tokenizer, prompts, table, names, out, args, task_accuracy) -> list:
     """One row per (context, budget, press); a finished cell's JSON is read back."""
+    from mlx_h2o.eval.retrieval import answers_kept
+
     rows = []
     for ctx, ps in prompts.items():
+        full = None  # the baseline's result at this context (run it first)
         for budget in args.budgets:
             for name in names:
                 factory, eager = table[name]
@@ -324,6 +327,11 @@ def run_grid(model, tokenizer, prompts, table, names, out, args, task_accuracy) 
                         continue
                     path.write_text(json.dumps(res, indent=1))
                 rows.append(print_row(res, name, args.tasks, task_accuracy))
+                if factory is None:
+                    full = res
+                elif full is not None:
+                    k, n = answers_kept(res, full)
+                    rows[-1] |= {"kept": f"{k}/{n}", "kept_frac": k / n if n else None}
     return rows
 
 

@@ -138,8 +138,61 @@ def test_cli_writes_tables_and_heatmaps(tmp_path, monkeypatch, capsys):
         ("baseline", None), ("rotating", 100), ("h2o-heavy-tova", 100),
         ("rotating", 200), ("h2o-heavy-tova", 200)]
     assert all(0 <= r["mean"] <= 1 for r in out["rows"])
+    # Every bounded row says how many of the baseline's answers it kept.
+    for r in out["rows"][1:]:
+        k, n = map(int, r["kept"].split("/"))
+        assert 0 <= k <= n and r["kept_frac"] == (k / n if n else None)
     if pytest.importorskip("matplotlib"):
-        assert (tmp_path / "retrieval").glob("*/retrieval_ctx400.png")
+        assert list((tmp_path / "retrieval").glob("*/retrieval_ctx400.png"))
+
+
+def test_cli_reports_the_baselines_answers_kept(tmp_path, monkeypatch, capsys):
+    from mlx_h2o.cli import retrieval as cli
+
+    # The tiny model answers nothing: call every output of a bounded cache at
+    # the first depth wrong, every other output right.
+    def score(prompt, output):
+        return {"task": prompt["task"], "depth": prompt["depth"], "context": prompt["context"],
+                "output": output, "correct": not (prompt["depth"] == 0.2 and bounded[0]),
+                "recall": 1.0}
+
+    bounded = [False]
+    real_run = passkey.run_strategy
+
+    def run(model, tok, prompts, st, *a, **k):
+        bounded[0] = st.bounded
+        return real_run(model, tok, prompts, st, *a, **k)
+
+    monkeypatch.setattr(passkey, "score_trial", score)
+    monkeypatch.setattr(passkey, "run_strategy", run)
+    monkeypatch.setattr(cli, "load_model_or_fail", lambda *a, **k: (tiny_llama(),
+                                                                    CharTokenizer()))
+    monkeypatch.setattr(cli, "check_model_arg", lambda *a: None)
+    argv = ["retrieval", "--model", "tiny", "--contexts", "400", "--tasks", "single",
+            "--depths", "0.2", "0.8", "--budgets", "0.25", "--haystack", "noise",
+            "--new-tokens", "2", "--strategies", "baseline", "h2o-heavy",
+            "--results-dir", str(tmp_path), "--no-progress"]
+    assert cli_main(argv) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert "kept" not in rows[0] and (rows[1]["kept"], rows[1]["kept_frac"]) == ("1/2", 0.5)
+    if pytest.importorskip("matplotlib"):
+        assert list((tmp_path / "retrieval").glob("*/retrieval_kept.png"))
+
+
+def _trials(correct):
+    return {"trials": [{"context": 64, "task": "single", "depth": d, "correct": c}
+                       for d, c in zip((0.1, 0.5, 0.9), correct)]}
+
+
+def test_answers_kept_counts_only_what_the_baseline_answered():
+    full = _trials([True, False, True])
+    assert retrieval.answers_kept(_trials([True, True, False]), full) == (1, 2)
+    assert retrieval.answers_kept(_trials([False, True, False]), full) == (0, 2)
+    assert retrieval.answers_kept(_trials([True, False, True]), full) == (2, 2)
+    assert retrieval.answers_kept(_trials([True] * 3), _trials([False] * 3)) == (0, 0)
+    other = {"trials": _trials([True] * 3)["trials"][:2]}
+    with pytest.raises(ValueError, match="different prompts"):
+        retrieval.answers_kept(other, full)
 
 
 @pytest.mark.parametrize("argv, want", [

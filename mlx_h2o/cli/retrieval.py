@@ -85,6 +85,7 @@ def main(argv=None) -> int:
     for ctx in args.contexts:
         prompts = make_prompts(tokenizer, args.tasks, [ctx], args.depths, args.seed, hay,
                                not args.no_chat)
+        full = None  # the baseline's result at this context, once it has run
         for budget in args.budgets:
             for st in strategies:
                 if not st.bounded and budget != args.budgets[0]:
@@ -98,14 +99,16 @@ def main(argv=None) -> int:
                                        not args.no_progress)
                     rdir.save(key, res)
                 acc = task_accuracy(res)
+                if not st.bounded:
+                    full = res
                 rows.append({"context": ctx, "strategy": st.name,
                              "budget": budget if st.bounded else None,
                              "max_kv": max_kv if st.bounded else None, **acc,
-                             "seconds": res["seconds"]})
+                             **_kept(res, full), "seconds": res["seconds"]})
                 print(f"ctx={ctx} strategy={st.name} max_kv={rows[-1]['max_kv']} "
                       f"mean={acc['mean']:.3f} " + " ".join(
                           f"{t}={acc[t]:.2f}" for t in args.tasks), flush=True)
-    cols = ("context", "strategy", "budget", "max_kv", *args.tasks, "mean")
+    cols = ("context", "strategy", "budget", "max_kv", *args.tasks, "mean", "kept")
     print()
     print(fmt_table(rows, cols))
     summary = {"config": config, "machine": machine_info(), "rows": rows,
@@ -115,6 +118,17 @@ def main(argv=None) -> int:
         _plots(rows, args, rdir)
     print(json.dumps({"results": str(rdir.path), "rows": rows}))
     return 0
+
+
+def _kept(res, full) -> dict:
+    """``kept``: "k/n", of the n prompts the baseline answered this strategy
+    answered k (none before the baseline has run: list it first)."""
+    if full is None or res is full:
+        return {}
+    from ..eval.retrieval import answers_kept
+
+    k, n = answers_kept(res, full)
+    return {"kept": f"{k}/{n}", "kept_frac": k / n if n else None}
 
 
 def _plots(rows, args, rdir):
@@ -135,3 +149,13 @@ def _plots(rows, args, rdir):
                   row_label="strategy", col_label="task",
                   title=f"{args.model} retrieval accuracy at {ctx} tokens, "
                   f"{len(args.depths)} prompt(s) a task")
+    kept = [r for r in rows if r.get("kept_frac") is not None]
+    if kept:  # one panel: a column per (context, budget), a row per strategy
+        names = list(dict.fromkeys(r["strategy"] for r in kept))
+        cell = {(r["strategy"], f"{r['context']}\n{r['budget']:.0%}" if r["budget"] <= 1
+                 else f"{r['context']}\n{r['max_kv']}"): r["kept_frac"] for r in kept}
+        cols = list(dict.fromkeys(c for _, c in cell))
+        save_plot(plot_heatmaps, {"answers kept": cell}, names, cols,
+                  rdir.path / "retrieval_kept.png", row_label="strategy",
+                  col_label="context (tokens), max_kv", title=f"{args.model}: of the "
+                  "prompts the full cache answered, the share each strategy answers too")

@@ -51,3 +51,20 @@ def task_accuracy(result: dict[str, Any]) -> dict[str, float]:
     acc = {t: sum(v) / len(v) for t, v in hits.items()}
     acc["mean"] = sum(acc.values()) / len(acc)
     return acc
+
+
+def _prompt_id(trial: dict[str, Any]) -> tuple:
+    return trial["context"], trial["task"], trial["depth"]
+
+
+def answers_kept(result: dict[str, Any], baseline: dict[str, Any]) -> tuple[int, int]:
+    """(kept, answered): of the prompts the unbounded baseline answered, how
+    many this strategy answered too. A prompt the model misses with every
+    token kept says nothing about a cache, so this is the suite's score of
+    an eviction policy; ``ValueError`` if the two ran different prompts."""
+    full = {_prompt_id(t): t["correct"] for t in baseline["trials"]}
+    mine = {_prompt_id(t): t["correct"] for t in result["trials"]}
+    if set(full) != set(mine):
+        raise ValueError("answers_kept: the result and the baseline ran different prompts")
+    answered = [k for k, ok in full.items() if ok]
+    return sum(mine[k] for k in answered), len(answered)
