@@ -80,6 +80,16 @@ def written_score(mode: str, keys: mx.array):
     return -mx.sqrt((k * k).sum(axis=-1))
 
 
+def window_replaces(config, chunk: int, before: int) -> bool:
+    """Whether a prompt chunk of ``chunk`` tokens, arriving while ``before``
+    tokens are already held, replaces every slot's scores with its own
+    window's: under ``prefill_compact="prompt"`` a later chunk of a prompt
+    left past the budget decides alone (``H2OConfig``). A key-norm score is
+    the key's own: no window replaces it."""
+    return (config.prefill_compact == "prompt" and 0 < config.prefill_window <= chunk
+            and before > config.max_size and not score_mode(config.score).from_keys)
+
+
 def pool_neighbours(x: mx.array, positions: mx.array, radius: int) -> mx.array:
     """Max of ``x`` (>= 0) over slots whose positions lie within ``radius``.
 

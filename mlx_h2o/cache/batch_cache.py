@@ -21,9 +21,9 @@ from typing import List, NamedTuple, Optional
 import mlx.core as mx
 import numpy as np
 
+from .. import policy
 from ..config import H2OConfig, check_window_size, config_from_dict, config_to_dict
 from ..kernels import scaled_dot_product_attention_with_scores
-from ..scores import score_mode
 from . import batch_slots as bs
 from .batch_rows import BatchRows
 
@@ -224,11 +224,9 @@ class BatchH2OKVCache(BatchRows):
         self.seen = [s + c for s, (_, c) in zip(self.seen, spans)]
         over = [c > 1 and k > cfg.max_size for (_, c), k in zip(spans, self.kept)]
         select = self._selection(spans, over, L)
-        replace = [o and cfg.prefill_compact == "prompt" and 0 < cfg.prefill_window <= c
-                   and k - c > cfg.max_size for o, (_, c), k in zip(over, spans, self.kept)]
-        if any(replace) and not score_mode(cfg.score).from_keys:
-            # A later chunk of a whole prompt: its window alone decides (a
-            # key-norm score is the key's own, as H2OKVCache._replaces_window).
+        replace = [o and policy.window_replaces(cfg, c, k - c)
+                   for o, (_, c), k in zip(over, spans, self.kept)]
+        if any(replace):  # a later chunk of a whole prompt: its window alone decides
             rows = mx.array(replace)[:, None, None]
             self.score = mx.where(rows, 0.0, self.score)
             self.count = mx.where(rows, 0.0, self.count)

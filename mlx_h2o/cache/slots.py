@@ -18,7 +18,6 @@ import mlx.core as mx
 from .. import policy
 from ..config import H2OConfig, check_window_size
 from ..kernels import scaled_dot_product_attention_with_scores
-from ..scores import score_mode
 from .ops_step import slot_priority
 from .storage import DenseKV, fresh_slot, resize_slots, take_slots
 
@@ -208,7 +207,7 @@ class SlotCache:
         # Only a chunk that overflows the budget is scored by its window (SnapKV).
         over = n > self.max_size
         score, count = self.score[..., :n], self.count[..., :n]
-        if over and self._replaces_window(L):
+        if over and policy.window_replaces(cfg, L, n - L):
             score, count = mx.zeros_like(score), mx.zeros_like(count)
         score, count = policy.fold_scores(
             cfg.score, score, count, logits, lse,
@@ -220,14 +219,6 @@ class SlotCache:
         self._pending = False
         if over and cfg.prefill_compact == "chunk":
             self._compact()  # "prompt" waits for the first decode step
-
-    def _replaces_window(self, L) -> bool:
-        """A later chunk of a prompt left uncompacted: its window alone decides
-        (a key-norm score is the key's own: no window replaces it)."""
-        cfg = self.config
-        return (cfg.prefill_compact == "prompt" and 0 < cfg.prefill_window <= L
-                and not score_mode(cfg.score).from_keys
-                and self._n - L > self.max_size)
 
     # --- masks ------------------------------------------------------------------
     def _mask(self, L, mask):
