@@ -309,7 +309,7 @@ def main(argv=None) -> int:
 
 def run_grid(model, tokenizer, prompts, table, names, out, args, task_accuracy) -> list:
     """One row per (context, budget, press); a finished cell's JSON is read back."""
-    from mlx_h2o.eval.retrieval import answers_kept
+    from mlx_h2o.eval.retrieval import kept_columns
 
     rows = []
     for ctx, ps in prompts.items():
@@ -330,8 +330,7 @@ def run_grid(model, tokenizer, prompts, table, names, out, args, task_accuracy) 
                 if factory is None:
                     full = res
                 elif full is not None:
-                    k, n = answers_kept(res, full)
-                    rows[-1] |= {"kept": f"{k}/{n}", "kept_frac": k / n if n else None}
+                    rows[-1] |= kept_columns(res, full)
     return rows
 
 

@@ -125,10 +125,9 @@ def _kept(res, full) -> dict:
     answered k (none before the baseline has run: list it first)."""
     if full is None or res is full:
         return {}
-    from ..eval.retrieval import answers_kept
+    from ..eval.retrieval import kept_columns
 
-    k, n = answers_kept(res, full)
-    return {"kept": f"{k}/{n}", "kept_frac": k / n if n else None}
+    return kept_columns(res, full)
 
 
 def _plots(rows, args, rdir):

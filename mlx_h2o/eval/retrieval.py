@@ -68,3 +68,10 @@ def answers_kept(result: dict[str, Any], baseline: dict[str, Any]) -> tuple[int,
         raise ValueError("answers_kept: the result and the baseline ran different prompts")
     answered = [k for k, ok in full.items() if ok]
     return sum(mine[k] for k in answered), len(answered)
+
+
+def kept_columns(result: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
+    """A summary row's ``kept`` ("k/n", ``answers_kept``) and ``kept_frac``
+    (k / n; None when the baseline answered nothing)."""
+    k, n = answers_kept(result, baseline)
+    return {"kept": f"{k}/{n}", "kept_frac": k / n if n else None}
