@@ -31,7 +31,8 @@ class H2OConfig:
     ``prefill_window`` > 0 scores a chunk of L > 1 tokens (a prompt) that
     overflows the budget with its last ``prefill_window`` queries only
     (SnapKV, Li et al. 2024): the end of a prompt (a question) tells which of
-    its tokens will be needed.
+    its tokens will be needed (``expected_attention``: by ``prefill_window``
+    times the attention a Gaussian fitted to those queries expects).
     ``prefill_pool`` > 1 max-pools such a chunk's scores over that many
     neighbouring positions, so the tokens around an attended one (the rest of
     a number, a name) stay with it. Neither applies to ``key_norm``, whose

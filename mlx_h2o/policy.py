@@ -13,6 +13,7 @@ from typing import Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
+from .kernels.reference import Mask, grouped_mask, masked_softmax
 from .scores import score_mode
 
 
@@ -26,6 +27,7 @@ def fold_scores(
     window: int = 0,
     positions: Optional[mx.array] = None,
     pool: int = 0,
+    weight: float = 1.0,
 ) -> Tuple[mx.array, mx.array]:
     """Fold one attention call into the running scores.
 
@@ -35,9 +37,11 @@ def fold_scores(
     head: masks are shared within a GQA group). ``window`` > 0 folds only the
     last ``window`` queries of the call. ``pool`` > 1 (with ``positions``, the
     slots' token positions) max-pools the call's contribution over keys within
-    ``pool // 2`` positions, for calls of L > 1 queries (prompt chunks).
-    ``mode`` names a ``scores.SCORES`` entry: its fold and magnitude apply
-    (a "fixed" fold leaves ``score`` as written: ``written_score``).
+    ``pool // 2`` positions, for calls that stand for more than one query
+    (prompt chunks). Each row of ``logits`` stands for ``weight`` queries
+    (``expected_logits``' row: the window's W). ``mode`` names a
+    ``scores.SCORES`` entry: its fold and magnitude apply (a "fixed" fold
+    leaves ``score`` as written: ``written_score``).
     """
     spec = score_mode(mode)
     L = logits.shape[2]
@@ -48,6 +52,8 @@ def fold_scores(
     lg = logits.reshape(B, Hk, Hq // Hk, Lw, N)
     visible = lg[:, :, 0] > -mx.inf  # (B, Hk, Lw, N)
     seen = visible.astype(mx.float32).sum(axis=2)  # (B, Hk, N)
+    if weight != 1:  # no op on the decode paths
+        seen = weight * seen
     if spec.fold == "fixed":
         return score, count + seen
     if spec.magnitude == "abs_logit":
@@ -55,7 +61,9 @@ def fold_scores(
     else:  # probability
         mag = mx.exp(lg - lse.reshape(B, Hk, Hq // Hk, Lw, 1))
     step = mag.mean(axis=2).sum(axis=2)  # (B, Hk, N)
-    if pool > 1 and L > 1 and positions is not None:
+    if weight != 1:
+        step = weight * step
+    if pool > 1 and L * weight > 1 and positions is not None:
         step = pool_neighbours(step, positions, pool // 2)
     if spec.fold == "ema":
         step = step / mx.maximum(seen, 1.0)
@@ -66,6 +74,39 @@ def fold_scores(
     else:
         score = score + step
     return score, count + seen
+
+
+def expected_logits(queries: mx.array, keys: mx.array, scale: float, mask: Mask = None,
+                    sinks: Optional[mx.array] = None) -> Tuple[mx.array, mx.array]:
+    """Expected Attention's logit row (Devoto et al. 2025) and its lse.
+
+    Per query head, the ``W`` queries are taken as samples of a Gaussian
+    (mean mu, covariance Sigma = (1/W) sum (q - mu)(q - mu)^T) and each key
+    gets z = log E[exp(scale q.k)] = scale mu.k + scale^2 / 2 k^T Sigma k.
+
+    Shapes: queries (B, n_heads, W, D) (float32 inside); keys (B,
+    n_kv_heads, N, D); ``mask`` one query row's (None, "causal", or an array
+    broadcastable to (B, n_heads or n_kv_heads, 1, N)); ``sinks`` (n_heads,)
+    an extra softmax column. Returns logits (B, n_heads, 1, N) float32 (z,
+    masked -> -inf, an additive mask added) and lse (B, n_heads, 1), as
+    ``scaled_dot_product_attention_with_scores`` returns a query's.
+    """
+    B, Hq, W, D = queries.shape
+    Hk, N = keys.shape[1], keys.shape[2]
+    if Hq % Hk:
+        raise ValueError(f"n_heads={Hq} is not a multiple of n_kv_heads={Hk}")
+    G = Hq // Hk
+    q = queries.astype(mx.float32)
+    mu = q.mean(axis=2, keepdims=True)  # (B, Hq, 1, D)
+    # k^T Sigma k = mean over the window of ((q - mu).k)^2: W rows of one
+    # GEMM per KV head, no (D, D) matrix per head.
+    rows = mx.concatenate([mu, q - mu], axis=2).reshape(B, Hk, G * (W + 1), D)
+    dots = rows @ keys.astype(mx.float32).swapaxes(-1, -2)
+    dots = dots.reshape(B, Hk, G, W + 1, N)
+    z = scale * dots[:, :, :, :1] + (0.5 * scale * scale) * mx.mean(
+        dots[:, :, :, 1:] ** 2, axis=3, keepdims=True)  # (B, Hk, G, 1, N)
+    logits, _, lse = masked_softmax(z, grouped_mask(mask, B, Hq, Hk, 1, N), sinks)
+    return logits.reshape(B, Hq, 1, N), lse.reshape(B, Hq, 1)
 
 
 def written_score(mode: str, keys: mx.array):

@@ -12,6 +12,9 @@ CPU decode paths only (``policy.fold_scores``): no GPU path may take it.
 A mode whose magnitude is ``key_norm`` scores a slot from its key when the key
 is written (``policy.written_score``, at every metadata write of the caches)
 and its ``fold`` is "fixed": attention never changes the score.
+A mode whose ``prefill`` is "expected" scores a prompt chunk that overflows
+the budget by the attention a Gaussian fitted to its window's queries
+expects (``policy.expected_logits``), not by the window's own attention.
 
 Every mode keeps one score per (sequence, KV head, slot): the query heads of a
 GQA group are averaged, and ``count`` is the number of queries that could see
@@ -28,6 +31,9 @@ FOLDS = ("sum", "ema", "last", "fixed")
 # softmax attention | |logit| of visible keys | -||k||_2 of the key, set when written
 MAGNITUDES = ("probability", "abs_logit", "key_norm")
 RANKS = ("score", "per_query")  # s | s / max(count, 1)
+# How an overflowing prompt chunk is scored: its last prefill_window queries'
+# attention | the attention expected from a Gaussian fitted to those queries
+PREFILLS = ("window", "expected")
 
 
 @dataclass(frozen=True)
@@ -60,11 +66,13 @@ class ScoreMode:
     deferrable: bool
     description: str  # the paper it comes from and its exact normalisation
     kernel: bool = True
+    prefill: str = "window"
 
     def __post_init__(self):
         for field, value, choices in (("fold", self.fold, FOLDS),
                                       ("magnitude", self.magnitude, MAGNITUDES),
-                                      ("rank", self.rank, RANKS)):
+                                      ("rank", self.rank, RANKS),
+                                      ("prefill", self.prefill, PREFILLS)):
             if value not in choices:
                 raise ValueError(f"score mode {self.name!r}: {field}={value!r}; "
                                  f"use one of {choices}")
@@ -81,11 +89,22 @@ class ScoreMode:
         if self.magnitude == "key_norm" and self.kernel:
             raise ValueError(f"score mode {self.name!r}: the kernels have no key-norm "
                              "branch; use kernel=False")
+        summed = (self.fold, self.magnitude) == ("sum", "probability")
+        if self.prefill == "expected" and not summed:
+            raise ValueError(f"score mode {self.name!r}: prefill 'expected' adds "
+                             "expected probabilities; use fold 'sum', magnitude "
+                             "'probability'")
 
     @property
     def from_keys(self) -> bool:
         """The score is set from the key when it is written, never by attention."""
         return self.magnitude == "key_norm"
+
+    @property
+    def from_logits(self) -> bool:
+        """Every score comes from the logits attention exports (all the Swift
+        core's slots see): not from keys, nor from a chunk's queries."""
+        return not self.from_keys and self.prefill == "window"
 
 
 def _registry(*modes: ScoreMode) -> Mapping[str, ScoreMode]:
@@ -131,6 +150,23 @@ SCORES: Mapping[str, ScoreMode] = _registry(
         "before any quantization, float32), set once when the key is written and "
         "never changed by attention; ranked by s, so the largest norm goes first. "
         "prefill_window and prefill_pool do not apply."),
+    ScoreMode(
+        "expected_attention", "ea", "sum", "probability", "score", kernel_id=6,
+        deferrable=False, kernel=False, prefill="expected",
+        description="Expected Attention (Devoto et al. 2025, 'Expected Attention: KV "
+        "Cache Compression by Estimating Attention from Future Queries Distribution'; "
+        "kvpress's ExpectedAttentionPress): a prompt chunk of L > W > 1 tokens "
+        "(W = prefill_window) that overflows the budget on a global layer adds "
+        "W * p to each slot: p the group-mean softmax, over the keys the chunk's last "
+        "query may see (attention sinks a column), of z = s mu.k + s^2 / 2 k^T Sigma k "
+        "(s the attention scale), mu and Sigma = (1/W) sum (q - mu)(q - mu)^T the "
+        "mean and covariance of the chunk's last W queries per query head (after "
+        "RoPE, float32); then max-pooled over prefill_pool positions and compacted "
+        "as the window would be. Everything else (decode steps, chunks that fit the "
+        "budget or have L <= W, sliding-window layers) as accumulated; ranked by s. "
+        "Unlike kvpress: the window's post-RoPE queries, not the whole prompt's "
+        "pre-RoPE queries with RoPE averaged over the next 512 positions; no "
+        "rescaling by ||v||; no n_sink exclusion (sink_size pins the first tokens)."),
 )
 SCORE_MODES: Tuple[str, ...] = tuple(SCORES)
 DEFERRABLE: Tuple[str, ...] = tuple(n for n, m in SCORES.items() if m.deferrable)

@@ -126,6 +126,8 @@ CONFIGS = {
                         prefill_window=4),
     "pinned": H2OConfig(max_size=12, sink_size=2, heavy_budget=6, pinned=((5, 7),)),
     "key_norm": H2OConfig(max_size=12, sink_size=2, heavy_budget=6, score="key_norm"),
+    "expected_attention": H2OConfig(max_size=12, sink_size=2, heavy_budget=6,
+                                    score="expected_attention", prefill_window=4),
 }
 
 

@@ -57,6 +57,9 @@ chunks = st.lists(st.one_of(st.just(1), st.integers(1, 30)), min_size=1, max_siz
 # Every mode at least once, whatever the draw (key_norm scores at write, not by folds).
 @example(cfg=H2OConfig(max_size=12, sink_size=2, heavy_budget=5, score="key_norm"),
          lengths=[13, 1, 1, 29, 1, 1, 1, 3, 1], seed=0)
+@example(cfg=H2OConfig(max_size=12, sink_size=2, heavy_budget=5, prefill_window=4,
+                       prefill_pool=3, score="expected_attention"),
+         lengths=[13, 1, 1, 29, 1, 1, 1, 3, 1], seed=0)
 def test_invariants_over_random_streams(cfg, lengths, seed):
     rng, cache, seen = np.random.default_rng(seed), H2OKVCache(cfg), 0
     for L in lengths:

@@ -112,6 +112,8 @@ configs = st.builds(
 @given(cfg=configs, prompt=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
 @example(cfg=H2OConfig(max_size=12, sink_size=2, heavy_budget=5, score="key_norm",
                        evict_batch=3), prompt=17, seed=0)
+@example(cfg=H2OConfig(max_size=12, sink_size=2, heavy_budget=5, prefill_window=4,
+                       score="expected_attention", evict_batch=3), prompt=17, seed=0)
 def test_invariants_over_random_streams(cfg, prompt, seed):
     """A prompt chunk (compacted to max_size if it overflows), then decode tokens."""
     rng, cache, seen = np.random.default_rng(seed), H2OKVCache(cfg), 0

@@ -92,6 +92,11 @@ def test_entries_are_validated():
             dataclasses.replace(SCORES["ema"], **bad)
     with pytest.raises(ValueError, match="no key-norm branch"):
         dataclasses.replace(SCORES["key_norm"], kernel=True)
+    with pytest.raises(ValueError, match="prefill='chunk'"):
+        dataclasses.replace(m, prefill="chunk")
+    for bad in (dict(fold="ema", deferrable=False), dict(magnitude="abs_logit")):
+        with pytest.raises(ValueError, match="prefill 'expected' adds expected"):
+            dataclasses.replace(SCORES["expected_attention"], **bad)
     with pytest.raises(ValueError, match="share a name"):
         scores._registry(m, m)
     with pytest.raises(ValueError, match="share a kernel_id"):
@@ -121,8 +126,9 @@ def test_swift_score_mode_enum_matches_the_registry():
     """H2OCore's ScoreMode: its raw values, then its ``pythonOnly`` names (modes
     it refuses by name), are the registry's names in order: the unknown-mode
     error lists them as Python's does (config_cases vectors). The cases it has
-    it folds as policy.fold_scores does; key-norm needs the keys, which its
-    slots never see."""
+    it folds as policy.fold_scores does; it refuses the modes that need more
+    than logits (ScoreMode.from_logits): key-norm's keys, expected
+    attention's queries, which its slots never see."""
     with open(SWIFT_CONFIG) as f:
         text = f.read()
     body = re.search(r"public enum ScoreMode\b[^{]*\{(.*?)\n\s*public init", text, re.S)
@@ -132,4 +138,4 @@ def test_swift_score_mode_enum_matches_the_registry():
     assert only, "ScoreMode.pythonOnly not found in H2OConfig.swift"
     refused = tuple(re.findall(r'"([^"]*)"', only.group(1)))
     assert tuple(raw or name for name, raw in cases) + refused == SCORE_MODES
-    assert all(SCORES[n].from_keys for n in refused)
+    assert refused == tuple(n for n in SCORE_MODES if not SCORES[n].from_logits)

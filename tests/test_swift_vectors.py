@@ -76,9 +76,10 @@ def test_streams_cover_the_issue():
     assert any(d["n_heads"] > d["n_kv_heads"] for d in docs)
     assert any(d["batch_size"] == 2 for d in docs)
     assert any(d["window_size"] is not None for d in docs)
-    # Key-norm modes are not in the Swift core: it refuses them by name (test_scores.py).
+    # Modes scored from more than logits are not in the Swift core: it refuses
+    # them by name (test_scores.py).
     assert {d["config"]["score"] for d in docs} == {
-        m for m in SCORE_MODES if not SCORES[m].from_keys}
+        m for m in SCORE_MODES if SCORES[m].from_logits}
     assert any(d["config"]["prefill_window"] for d in docs)
     assert any(d["config"]["prefill_pool"] > 1 for d in docs)
     assert any(d["config"]["pinned"] for d in docs)

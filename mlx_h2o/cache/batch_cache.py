@@ -16,7 +16,7 @@ in full, then compacted, as H2OKVCache does).
 """
 
 import json
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -24,6 +24,7 @@ import numpy as np
 from .. import policy
 from ..config import H2OConfig, check_window_size, config_from_dict, config_to_dict
 from ..kernels import scaled_dot_product_attention_with_scores
+from ..scores import score_mode
 from . import batch_slots as bs
 from .batch_rows import BatchRows
 
@@ -35,6 +36,8 @@ class _Call(NamedTuple):
     select: mx.array  # (B, L) queries each row folds
     pooled: Optional[mx.array]  # (B,) rows whose chunk overflowed (pooled scores)
     compact: List[int]  # rows to compact to max_size after the fold
+    # (B,) rows scored by expected attention, (B, W) their window's queries
+    expected: Optional[Tuple[mx.array, mx.array]] = None
 
 
 class BatchH2OKVCache(BatchRows):
@@ -95,11 +98,17 @@ class BatchH2OKVCache(BatchRows):
             raise RuntimeError("h2o_attention without a preceding update_and_fetch")
         n = self._n
         own = bs.position_mask(self.positions[..., :n], call.qpos, self.window_size)
+        mask = _combine(own, mask)
         out, logits, lse = scaled_dot_product_attention_with_scores(
-            queries, keys, values, scale=scale, mask=_combine(own, mask), sinks=sinks)
+            queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         meta = (self.positions[..., :n], self.score[..., :n], self.count[..., :n])
+        expected = None
+        if call.expected is not None:
+            rows, window = call.expected
+            row = bs.expected_logits(queries, keys, scale, mask, sinks, window)
+            expected = (rows, *row)
         score, count = bs.fold_rows(self.config, meta[1], meta[2], logits, lse, meta[0],
-                                    call.select, call.pooled)
+                                    call.select, call.pooled, expected)
         self.score[..., :n] = score
         self.count[..., :n] = count
         if call.compact:
@@ -232,7 +241,8 @@ class BatchH2OKVCache(BatchRows):
             self.count = mx.where(rows, 0.0, self.count)
         compact = [b for b, o in enumerate(over) if o and cfg.prefill_compact == "chunk"]
         self._call = _Call(mx.array(qpos), mx.array(select),
-                           mx.array(over) if any(over) else None, compact)
+                           mx.array(over) if any(over) else None, compact,
+                           self._expected_rows(spans, over))
 
     def _selection(self, spans, over, L):
         """(B, L) bool: each row's own queries; an overflowing row's last
@@ -243,6 +253,18 @@ class BatchH2OKVCache(BatchRows):
             first = start + c - W if over[b] and 0 < W < c else start
             select[b, first : start + c] = True
         return select
+
+    def _expected_rows(self, spans, over):
+        """(rows, window) for an expected-attention mode: rows (B,) whose chunk
+        is scored as H2OKVCache scores it by its window (L > W > 1, global
+        layer), window (B, W) their last W queries (other rows: any)."""
+        W = self.config.prefill_window
+        rows = [o and c > W > 1 and self.window_size is None
+                for o, (_, c) in zip(over, spans)]
+        if score_mode(self.config.score).prefill != "expected" or not any(rows):
+            return None
+        ends = np.array([max(start + c, W) for start, c in spans])
+        return mx.array(rows), mx.array(ends[:, None] - W + np.arange(W), mx.int32)
 
 
 def _rows(values) -> mx.array:

@@ -110,14 +110,17 @@ def position_mask(kpos, qpos, window_size: Optional[int] = None):
 
 
 def fold_rows(config: H2OConfig, score, count, logits, lse, positions, select,
-              pooled: Optional[mx.array] = None):
+              pooled: Optional[mx.array] = None, expected=None):
     """Fold a call's attention into the scores, row by row.
 
     ``select`` (B, L) bool: the queries each row folds (its own tokens; a
     chunk that overflows the budget: the last ``prefill_window`` of them);
     ``pooled`` (B,) bool: rows whose chunk overflowed, max-pooled over
     ``prefill_pool`` neighbours (policy.fold_scores, as H2OKVCache folds
-    them). Unselected queries see nothing; empty slots keep zero scores."""
+    them). ``expected``: (rows (B,) bool, logits (B, n_heads, 1, N), lse)
+    for an expected-attention mode: those rows fold that row, weighted by
+    ``prefill_window``, in place of their window (pooled too). Unselected
+    queries see nothing; empty slots keep zero scores."""
     sel = select[:, None, :]
     logits = mx.where(sel[..., None], logits, -mx.inf)
     lse = mx.where(sel & (lse > -mx.inf), lse, 0.0)
@@ -127,8 +130,28 @@ def fold_rows(config: H2OConfig, score, count, logits, lse, positions, select,
         sp, cp = policy.fold_scores(*args, 0, positions, config.prefill_pool)
         rows = pooled[:, None, None]
         s, c = mx.where(rows, sp, s), mx.where(rows, cp, c)
+    if expected is not None:
+        rows, e_logits, e_lse = expected
+        se, ce = policy.fold_scores(config.score, score, count, e_logits, e_lse,
+                                    config.ema_alpha, 0, positions, config.prefill_pool,
+                                    config.prefill_window)
+        rows = rows[:, None, None]
+        s, c = mx.where(rows, se, s), mx.where(rows, ce, c)
     held = positions >= 0
     return mx.where(held, s, 0.0), mx.where(held, c, 0.0)
+
+
+def expected_logits(queries, keys, scale, mask, sinks, window):
+    """policy.expected_logits of each row's ``window`` (B, W) queries, each
+    row's keys masked as its last window query's are (``mask``: the call's
+    (B, Hk, L, N) bool or additive mask)."""
+    B, Hq, _, D = queries.shape
+    q = mx.take_along_axis(queries, mx.broadcast_to(
+        window[:, None, :, None], (B, Hq, window.shape[1], D)), axis=2)  # (B, Hq, W, D)
+    last = window[:, -1][:, None, None, None]
+    mask = mx.take_along_axis(mask, mx.broadcast_to(
+        last, (B, mask.shape[1], 1, mask.shape[3])), axis=2)  # (B, Hk, 1, N)
+    return policy.expected_logits(q, keys, scale, mask, sinks)
 
 
 def stacked(states, sizes):

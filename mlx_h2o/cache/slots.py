@@ -18,6 +18,7 @@ import mlx.core as mx
 from .. import policy
 from ..config import H2OConfig, check_window_size
 from ..kernels import scaled_dot_product_attention_with_scores
+from ..scores import score_mode
 from .ops_step import slot_priority
 from .storage import DenseKV, fresh_slot, resize_slots, take_slots
 
@@ -187,6 +188,10 @@ class SlotCache:
         keys, values = self.kv.dense(keys, values, queries.dtype)
         out = mx.fast.scaled_dot_product_attention(
             queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        if self._expected:  # one row of expected logits for the window's W rows
+            logits, lse = policy.expected_logits(
+                queries[:, :, -W:], keys, scale, _last_rows(mask, 1), sinks)
+            return out, logits, lse
         _, logits, lse = scaled_dot_product_attention_with_scores(
             queries[:, :, -W:], keys, values, scale=scale, mask=_last_rows(mask, W),
             sinks=sinks)
@@ -199,6 +204,12 @@ class SlotCache:
         W = self.config.prefill_window
         return L > W > 1 and self._n > self.max_size and self.window_size is None
 
+    @property
+    def _expected(self) -> bool:
+        """A chunk scored by its window is scored by the attention its
+        window's queries lead to expect (scores.ScoreMode.prefill)."""
+        return score_mode(self.config.score).prefill == "expected"
+
     def _fold_ops(self, logits, lse, L):
         """Fold this step's scores op by op, then compact a chunk that overflowed.
 
@@ -209,10 +220,13 @@ class SlotCache:
         score, count = self.score[..., :n], self.count[..., :n]
         if over and policy.window_replaces(cfg, L, n - L):
             score, count = mx.zeros_like(score), mx.zeros_like(count)
+        # An expected-logit row stands for the window's prefill_window queries.
+        expected = self._scored_by_window(L) and self._expected
+        weight = cfg.prefill_window if expected else 1
         score, count = policy.fold_scores(
             cfg.score, score, count, logits, lse,
             cfg.ema_alpha, cfg.prefill_window if over else 0,
-            self.positions[..., :n], cfg.prefill_pool if over else 0,
+            self.positions[..., :n], cfg.prefill_pool if over else 0, weight,
         )
         self.score[..., :n] = score
         self.count[..., :n] = count

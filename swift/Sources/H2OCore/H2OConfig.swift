@@ -18,8 +18,9 @@ public enum ScoreMode: String, Sendable, CaseIterable, Codable {
 
     /// Modes of the Python package this core does not implement (it refuses
     /// them by name): `key_norm` scores a slot by its key's L2 norm when the key
-    /// is written, and these slots never see keys.
-    public static let pythonOnly = ["key_norm"]
+    /// is written, and `expected_attention` scores a prompt chunk from its
+    /// queries' mean and covariance; these slots see logits only.
+    public static let pythonOnly = ["key_norm", "expected_attention"]
 
     /// Parses a mode name, with the Python package's error for an unknown one.
     public init(name: String) throws {

@@ -1056,6 +1056,6 @@ public enum KernelConstants {
     public static let quantizedMinSplitKeys = 128
     public static let quantizedTargetBlocks = 528
     public static let quantizedMaxSplits = 128
-    public static let scoreModes = ["ema", "accumulated", "normalized", "attention_ema", "tova", "key_norm"]
+    public static let scoreModes = ["ema", "accumulated", "normalized", "attention_ema", "tova", "key_norm", "expected_attention"]
     public static let quantizedHeadDims = [64, 96, 128, 256]
 }

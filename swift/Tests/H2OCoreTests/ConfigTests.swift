@@ -127,5 +127,12 @@ struct ConfigTests {
                 "score='key_norm' runs in the Python package only, not in the Swift port; "
                     + "use one of ('ema', 'accumulated', 'normalized', 'attention_ema', 'tova')")
         ) { try H2OConfig(dictionary: ["max_size": 8, "score": "key_norm"]) }
+        // Neither is expected_attention (it scores prompt chunks from their queries).
+        #expect(
+            throws: H2OConfigError(
+                "score='expected_attention' runs in the Python package only, not in the "
+                    + "Swift port; use one of ('ema', 'accumulated', 'normalized', "
+                    + "'attention_ema', 'tova')")
+        ) { try H2OConfig(dictionary: ["max_size": 8, "score": "expected_attention"]) }
     }
 }
