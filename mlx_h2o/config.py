@@ -42,26 +42,27 @@ class H2OConfig:
     compacted to ``max_size``:
       - ``"chunk"``: at the end of every prefill chunk that overflows it. A
         prompt longer than the prefill step (mlx-lm's generate: 2048 tokens)
-        is then compacted before its end exists, scored by a window of filler:
-        a needle early in a long document can be lost.
+        is then compacted before its end exists, scored by a window of filler;
+        later windows replace those scores (below), but what was dropped is
+        gone: a needle early in a long document can be lost.
       - ``"prompt"``: the cache grows through the whole prompt (``size()`` is
         above ``max_size`` meanwhile) and is compacted once, at the first
-        decode step (L == 1), before its token is written. The prompt's last
-        chunk decides what stays: a chunk of L >= ``prefill_window`` that
-        arrives while the cache is already over budget *replaces* every
-        slot's scores with its own window's (earlier chunks' windows, and
-        scores from before the prompt, are dropped); a shorter last chunk adds
-        to the previous chunk's window, so together they still span at least
-        ``prefill_window`` queries; with ``prefill_window=0`` every chunk adds
-        (H2O over all the prompt's queries). The first chunk that overflows
-        adds to the scores like ``"chunk"``, so a prompt prefilled in one
-        chunk is kept exactly as under ``"chunk"``. Cost: the whole prompt's
-        K/V until the first decode step, and each chunk attends to all of it
-        (its scores block is chunk x tokens so far, not prompt x prompt); a
-        stream fed only in chunks, with no decode step, is never compacted.
-        Measured (docs/RESULTS.md, 4K passkey, max_kv 1024, 2048-token
-        steps): SmolLM2 0.60 under "chunk", 1.00 under "prompt"; Gemma 3
-        1.00 under both; decode-protocol perplexity identical.
+        decode step (L == 1), before its token is written. Cost: the whole
+        prompt's K/V until the first decode step, and each chunk attends to
+        all of it (its scores block is chunk x tokens so far, not prompt x
+        prompt); a stream fed only in chunks, with no decode step, is never
+        compacted. Measured in docs/RESULTS.md.
+    In both modes the newest window decides what stays
+    (``policy.window_replaces``): a chunk of L >= ``prefill_window`` that
+    overflows the budget while the cache already holds ``max_size`` tokens
+    *replaces* every held slot's scores and counts with its own window's
+    (earlier chunks' windows, and scores from before the prompt, are
+    dropped); a shorter chunk adds to the scores held, so with the previous
+    window it still spans at least ``prefill_window`` queries; with
+    ``prefill_window=0`` every chunk adds (H2O over all the prompt's
+    queries). The first chunk that overflows adds to what the chunks that
+    fitted gave, so a prompt prefilled in one chunk is kept exactly as
+    under the other mode. Key-norm scores are never replaced.
     ``config_to_dict`` leaves ``prefill_compact`` out when it is ``"chunk"``,
     so saved caches and result keys from before the option read the same.
 

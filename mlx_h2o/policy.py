@@ -122,13 +122,22 @@ def written_score(mode: str, keys: mx.array):
 
 
 def window_replaces(config, chunk: int, before: int) -> bool:
-    """Whether a prompt chunk of ``chunk`` tokens, arriving while ``before``
-    tokens are already held, replaces every slot's scores with its own
-    window's: under ``prefill_compact="prompt"`` a later chunk of a prompt
-    left past the budget decides alone (``H2OConfig``). A key-norm score is
-    the key's own: no window replaces it."""
-    return (config.prefill_compact == "prompt" and 0 < config.prefill_window <= chunk
-            and before > config.max_size and not score_mode(config.score).from_keys)
+    """Whether a prompt chunk of ``chunk`` tokens that leaves the cache over
+    its budget, arriving while ``before`` tokens are already held, replaces
+    every held slot's score and count with its own window's instead of adding
+    to them.
+
+    It does when the chunk is scored by a full window (0 < ``prefill_window``
+    <= ``chunk``) and the cache already held ``max_size`` tokens: what it holds
+    was chosen before (by an earlier window or by decode steps), and the
+    newest window, the one nearest the question, alone decides; added to the
+    earlier windows' scores, a long prompt's filler would keep ranking it.
+    The same holds under both ``prefill_compact`` modes. The first chunk to
+    overflow (``before < max_size``) adds to what the chunks that fitted
+    gave, so a prompt prefilled in one chunk is unaffected. A key-norm score
+    is the key's own: no window replaces it."""
+    return (0 < config.prefill_window <= chunk and before >= config.max_size
+            and not score_mode(config.score).from_keys)
 
 
 def pool_neighbours(x: mx.array, positions: mx.array, radius: int) -> mx.array:

@@ -124,6 +124,9 @@ CONFIGS = {
     "ema": H2OConfig(max_size=10, sink_size=1, heavy_budget=5, score="ema"),
     "prompt": H2OConfig(max_size=12, sink_size=2, prefill_compact="prompt",
                         prefill_window=4),
+    # Chunks of 9 past the budget: a later one's window replaces the scores.
+    "window": H2OConfig(max_size=12, sink_size=2, heavy_budget=6, prefill_window=4,
+                        prefill_pool=3),
     "pinned": H2OConfig(max_size=12, sink_size=2, heavy_budget=6, pinned=((5, 7),)),
     "key_norm": H2OConfig(max_size=12, sink_size=2, heavy_budget=6, score="key_norm"),
     "expected_attention": H2OConfig(max_size=12, sink_size=2, heavy_budget=6,

@@ -164,8 +164,9 @@ STREAM = [37, 13, 1, 1, 1, 12, 4, 1]  # overflowing chunks, decode, a chunk <= W
 @pytest.mark.parametrize("storage", ["dense", "q8", "mixed"])
 def test_chunk_scores_match_float64_reference(storage, compact):
     """Exported slot scores and counts after every overflowing chunk (kept set
-    and scores after a chunk compaction; every slot, replaced by the chunk's
-    own under prompt compaction), against ref_fold / ref_keep."""
+    and scores after a chunk compaction, every slot under prompt compaction;
+    a later chunk on a full cache replaces them by its own window's,
+    policy.window_replaces), against ref_fold / ref_keep."""
     cfg = config(prefill_compact=compact)
     cache, rng = make_cache(storage, cfg), np.random.default_rng(1)
     W = cfg.prefill_window

@@ -14,6 +14,8 @@ import os
 import mlx.core as mx
 import pytest
 
+from mlx_h2o import policy
+from mlx_h2o.config import config_from_dict
 from mlx_h2o.scores import SCORE_MODES, SCORES
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -90,6 +92,14 @@ def test_streams_cover_the_issue():
     # An overflowing chunk: more slots attended than kept.
     updates = [st for st in steps if st["op"] == "update"]
     assert any(st["expect"]["size"] < len(st["logits"]) // len(st["lse"]) for st in updates)
+    # Later chunks that overflow a full cache: one replaced by its window, one
+    # shorter than the window that adds (policy.window_replaces).
+    later = [(config_from_dict(d["config"]), st["length"], prev["expect"]["size"])
+             for d in docs for prev, st in zip(d["steps"], d["steps"][1:])
+             if st["op"] == "update" and st["length"] > 1]
+    full = [(c, L, n) for c, L, n in later if n >= c.max_size and c.prefill_window]
+    assert any(policy.window_replaces(*x) for x in full)
+    assert any(not policy.window_replaces(*x) for x in full)
 
 
 def test_swift_metal_source_is_current():

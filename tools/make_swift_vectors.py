@@ -224,6 +224,8 @@ def run_update(cache, s: Stream, rng, L, i, where):
     cache.h2o_attention(mx.zeros((B, Hq, L, D)), keys, values, scale=1.0, mask=mask)
     logits, lse = cache.kv.last
     if N > cfg.max_size:  # compaction: re-fold to see the priorities it used
+        if policy.window_replaces(cfg, L, N - L):  # the window alone decides
+            pre = (mx.zeros_like(pre[0]), mx.zeros_like(pre[1]), pre[2])
         sc, ct = policy.fold_scores(
             cfg.score, pre[0], pre[1], mx.array(logits), mx.array(lse), cfg.ema_alpha,
             cfg.prefill_window, pre[2], cfg.prefill_pool,
@@ -320,6 +322,15 @@ def streams():
             C(max_size=12, sink_size=1, recent_budget=3, score="accumulated",
               prefill_window=3, prefill_pool=3, step=4),
             (6, *decode(3), 6, *decode(4)), n_heads=2, seed=9,
+        ),
+        Stream(
+            # A later chunk that overflows a full cache: one shorter than
+            # prefill_window adds to the scores, one of L >= prefill_window
+            # replaces them with its window's (policy.window_replaces).
+            "accumulated_window_replaces",
+            C(max_size=6, sink_size=1, recent_budget=2, score="accumulated",
+              prefill_window=3, step=4),
+            (8, *decode(2), 2, *decode(1), 4, 3, *decode(2)), n_heads=2, seed=11,
         ),
         Stream(
             "quantized_8bit_gqa", C(max_size=8, sink_size=1, recent_budget=3, step=4),

@@ -235,7 +235,7 @@ class BatchH2OKVCache(BatchRows):
         select = self._selection(spans, over, L)
         replace = [o and policy.window_replaces(cfg, c, k - c)
                    for o, (_, c), k in zip(over, spans, self.kept)]
-        if any(replace):  # a later chunk of a whole prompt: its window alone decides
+        if any(replace):  # a later chunk on a full row: its window alone decides
             rows = mx.array(replace)[:, None, None]
             self.score = mx.where(rows, 0.0, self.score)
             self.count = mx.where(rows, 0.0, self.count)

@@ -68,8 +68,10 @@ public struct H2OConfig: Equatable, Sendable {
     public let pinned: [Range<Int>]
     /// Slots the storage grows by, up to `maxSize`.
     public let step: Int
-    /// > 0: a chunk of L > 1 tokens (a prompt) is scored by its last
-    /// `prefillWindow` queries only (SnapKV, Li et al. 2024).
+    /// > 0: a chunk of L > 1 tokens (a prompt) that overflows the budget is
+    /// scored by its last `prefillWindow` queries only (SnapKV, Li et al. 2024);
+    /// a later one of L >= `prefillWindow` on a full cache replaces the held
+    /// slots' scores with its window's (`H2OPolicy.windowReplaces`).
     public let prefillWindow: Int
     /// > 1: a chunk's scores are max-pooled over that many neighbouring
     /// positions, so the tokens around an attended one stay with it.

@@ -63,6 +63,23 @@ public enum H2OPolicy {
         }
     }
 
+    /// Whether a prompt chunk of `chunk` tokens that leaves the cache over its
+    /// budget, arriving while `before` tokens are already held, replaces every
+    /// held slot's score and count with its own window's instead of adding to
+    /// them (mirrors `policy.window_replaces`).
+    ///
+    /// It does when the chunk is scored by a full window (0 < `prefillWindow`
+    /// <= `chunk`) and the cache already held `maxSize` tokens: what it holds
+    /// was chosen before (by an earlier window or by decode steps), and the
+    /// newest window, the one nearest the question, alone decides; added to the
+    /// earlier windows' scores, a long prompt's filler would keep ranking it.
+    /// The first chunk to overflow (`before < maxSize`) adds to what the chunks
+    /// that fitted gave, so a prompt prefilled in one chunk is unaffected.
+    /// (Python's key-norm modes, never replaced, do not exist here.)
+    public static func windowReplaces(config: H2OConfig, chunk: Int, before: Int) -> Bool {
+        0 < config.prefillWindow && config.prefillWindow <= chunk && before >= config.maxSize
+    }
+
     /// Max of `x` (>= 0) over the slots whose positions lie within `radius`.
     /// Neighbours are looked up by slot offset and kept only where the positions
     /// differ by exactly that offset (after an eviction slots are not in order).

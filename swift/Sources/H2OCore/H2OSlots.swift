@@ -74,6 +74,13 @@ public struct H2OSlots: Sendable {
         }
         // Only a chunk that overflows the budget is scored by its window (SnapKV).
         let over = size > config.maxSize
+        if over && H2OPolicy.windowReplaces(
+            config: config, chunk: scores.queries, before: size - scores.queries)
+        {
+            // A later chunk on a full cache: its window alone decides.
+            score = score.map { Array(repeating: 0, count: $0.count) }
+            count = count.map { Array(repeating: 0, count: $0.count) }
+        }
         for b in 0 ..< batchSize {
             for h in 0 ..< kvHeads {
                 let r = b * kvHeads + h

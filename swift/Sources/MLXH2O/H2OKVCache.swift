@@ -89,14 +89,19 @@ open class H2OKVCache: KVCache {
         sinks: MLXArray? = nil
     ) -> MLXArray {
         precondition(ledger.awaitingScores, "H2OKVCache.attention needs a preceding update")
-        let n = ledger.size
+        let (n, L) = (ledger.size, queries.dim(2))
         let (out, logits, lse) = storage.attention(
-            queries: queries, n: n, scale: scale, mask: combinedMask(queries.dim(2), mask),
+            queries: queries, n: n, scale: scale, mask: combinedMask(L, mask),
             sinks: sinks)
         // Only a chunk that overflows the budget is scored by its window (SnapKV).
         let over = n > config.maxSize
+        var (held, seen) = (score![.ellipsis, ..<n], count![.ellipsis, ..<n])
+        if over && H2OPolicy.windowReplaces(config: config, chunk: L, before: n - L) {
+            // A later chunk on a full cache: its window alone decides.
+            (held, seen) = (MLXArray.zeros(like: held), MLXArray.zeros(like: seen))
+        }
         let (s, c) = H2OPolicy.foldScores(
-            mode: config.score, score: score![.ellipsis, ..<n], count: count![.ellipsis, ..<n],
+            mode: config.score, score: held, count: seen,
             logits: logits, lse: lse, alpha: config.emaAlpha,
             window: over ? config.prefillWindow : 0, positions: positions![.ellipsis, ..<n],
             pool: over ? config.prefillPool : 0)
@@ -111,7 +116,7 @@ open class H2OKVCache: KVCache {
             precondition(k == keep.dim(-1))
             gather(keep, n: n)
         }
-        guard queries.dim(2) == 1 else { return out }
+        guard L == 1 else { return out }
         // Nothing reads the metadata until an eviction decision does: left lazy,
         // each decode step's fold held its logits and memory grew with every
         // token below the budget (docs/DESIGN.md, "Decode paths"). Evaluated with the

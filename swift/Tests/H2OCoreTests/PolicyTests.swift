@@ -89,4 +89,17 @@ struct PolicyTests {
         #expect(acc[1] == 1)
         #expect(seen == [2, 1])
     }
+
+    @Test("a later overflowing chunk on a full cache replaces the scores; the first adds")
+    func windowReplaces() throws {
+        let c = try H2OConfig(maxSize: 8, prefillWindow: 3)
+        let replaces = { (chunk: Int, before: Int) in
+            H2OPolicy.windowReplaces(config: c, chunk: chunk, before: before)
+        }
+        #expect(replaces(3, 8) && replaces(5, 8) && replaces(3, 9))  // L >= W on a full cache
+        #expect(!replaces(2, 8))  // shorter than its window: every query adds
+        #expect(!replaces(5, 7) && !replaces(12, 0))  // the first chunk to overflow adds
+        let noWindow = try H2OConfig(maxSize: 8, prefillWindow: 0)
+        #expect(!H2OPolicy.windowReplaces(config: noWindow, chunk: 5, before: 8))
+    }
 }
