@@ -67,9 +67,12 @@ class H2OConfig:
     so saved caches and result keys from before the option read the same.
 
     Defaults chosen by measurement (docs/RESULTS.md): ``accumulated`` scores
-    with a 32-query window and 11-position pooling for prompts that overflow
-    the budget. The paper's ``ema`` of |logit| ranks strongly negative logits
-    as important: +4.1% PPL vs +1.0% (SmolLM2, max_kv 256) and 0/10 passkeys.
+    with a 32-query window and 21-position pooling for prompts that overflow
+    the budget (11 positions kept the first digits of a number and lost the
+    rest); TOVA matched it on the evaluation set but has no kernel branch,
+    key-norm and expected attention kept fewer retrieval answers. The paper's
+    ``ema`` of |logit| ranks strongly negative logits as important: +4.1% PPL
+    vs +1.0% (SmolLM2, max_kv 256) and 0/10 passkeys.
 
     ``pinned`` holds half-open position ranges ``(start, end)`` that are never
     evicted; they use heavy-hitter slots.
