@@ -121,6 +121,16 @@ def written_score(mode: str, keys: mx.array):
     return -mx.sqrt((k * k).sum(axis=-1))
 
 
+def scored_by_window(config, chunk: int, over: bool, window_size) -> bool:
+    """Whether a prompt chunk of ``chunk`` tokens that leaves the cache over
+    its budget (``over``) is scored by its last ``prefill_window`` queries
+    alone (SnapKV): on a global layer (``window_size`` None), when the chunk
+    is longer than the window and the window W > 1, so that neighbour pooling
+    applies. The single and the batch caches score such a chunk alike."""
+    W = config.prefill_window
+    return over and chunk > W > 1 and window_size is None
+
+
 def window_replaces(config, chunk: int, before: int) -> bool:
     """Whether a prompt chunk of ``chunk`` tokens that leaves the cache over
     its budget, arriving while ``before`` tokens are already held, replaces

@@ -256,10 +256,10 @@ class BatchH2OKVCache(BatchRows):
 
     def _expected_rows(self, spans, over):
         """(rows, window) for an expected-attention mode: rows (B,) whose chunk
-        is scored as H2OKVCache scores it by its window (L > W > 1, global
-        layer), window (B, W) their last W queries (other rows: any)."""
+        is scored by its window (``policy.scored_by_window``), window (B, W)
+        their last W queries (other rows: any)."""
         W = self.config.prefill_window
-        rows = [o and c > W > 1 and self.window_size is None
+        rows = [policy.scored_by_window(self.config, c, o, self.window_size)
                 for o, (_, c) in zip(over, spans)]
         if score_mode(self.config.score).prefill != "expected" or not any(rows):
             return None

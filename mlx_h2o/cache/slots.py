@@ -198,11 +198,10 @@ class SlotCache:
         return out, logits, lse
 
     def _scored_by_window(self, L) -> bool:
-        """A chunk that overflows is scored by its last ``prefill_window`` queries
-        (global layers, dense or quantized storage; W > 1 so that neighbour
-        pooling applies as before)."""
-        W = self.config.prefill_window
-        return L > W > 1 and self._n > self.max_size and self.window_size is None
+        """A chunk that overflows is scored by its last ``prefill_window``
+        queries (``policy.scored_by_window``; dense or quantized storage)."""
+        return policy.scored_by_window(self.config, L, self._n > self.max_size,
+                                       self.window_size)
 
     @property
     def _expected(self) -> bool:
