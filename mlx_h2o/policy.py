@@ -16,6 +16,9 @@ import numpy as np
 from .kernels.reference import Mask, grouped_mask, masked_softmax
 from .scores import score_mode
 
+EMPTY = -1  # position of a slot that holds no token of its row
+LOWEST, HIGHEST = -(2**63), 2**63 - 1  # order keys below / above every slot's
+
 
 def fold_scores(
     mode: str,
@@ -207,6 +210,37 @@ def priority(
     return pri
 
 
+def slot_priority(config, positions, score, count, offset, window_size=None,
+                  zones=None) -> mx.array:
+    """Eviction priority of the slots (``priority``) for ``offset`` tokens
+    seen: protected zones +inf, the score mode's ranking otherwise.
+    ``offset``: an int, an int32 scalar array (a compiled step's input), or
+    (B, 1, 1) per row; ``zones``: (sink size, recent budget), default the
+    config's (may be int32 scalar arrays)."""
+    sink, recent = (config.sink_size, config.recent_budget) if zones is None else zones
+    keep = protected(positions, offset, sink, recent, config.pinned)
+    ranked = eviction_score(config.score, score, count)
+    return priority(ranked, keep, positions, offset, window_size)
+
+
+def position_mask(kpos: mx.array, qpos: mx.array, window_size: Optional[int] = None):
+    """(B, n_kv_heads, L, N) bool: what queries at positions ``qpos`` (B or
+    1, L; ``EMPTY`` for padding, which sees nothing) see of slots at
+    positions ``kpos`` (B, n_kv_heads, N): held tokens at or before them,
+    within a sliding window's last ``window_size`` positions."""
+    k = kpos[:, :, None, :]
+    q = qpos[:, None, :, None]
+    mask = (k >= 0) & (k <= q)
+    if window_size is not None:
+        mask = mask & (k > q - window_size)
+    return mask
+
+
+def first_empty(positions: mx.array) -> mx.array:
+    """(B, n_kv_heads) lowest slot that holds no token (0 where none)."""
+    return mx.argmax(positions < 0, axis=-1)
+
+
 def sinks_first(pri: mx.array, positions: mx.array, sink_size: int) -> mx.array:
     """``pri`` with protected slots other than sinks just below the sinks, for
     a selection that may keep fewer slots than the protected zones hold."""
@@ -221,9 +255,17 @@ def order_keys(pri: mx.array, positions: mx.array) -> mx.array:
     return ordered.astype(mx.int64) * (1 << 32) + positions.astype(mx.int64)
 
 
+def held_keys(pri: mx.array, positions: mx.array, empty: int) -> mx.array:
+    """``order_keys`` with slots that hold no token (position ``EMPTY``) at
+    ``empty``: the highest key keeps them from being a victim, the lowest
+    from being kept."""
+    keys = order_keys(pri, positions)
+    return mx.where(positions < 0, mx.array(empty, mx.int64), keys)
+
+
 def select_victim(pri: mx.array, positions: mx.array) -> mx.array:
-    """(B, n_kv_heads) slot of the lowest (priority, position)."""
-    return mx.argmin(order_keys(pri, positions), axis=-1)
+    """(B, n_kv_heads) slot of the lowest (priority, position) held token."""
+    return mx.argmin(held_keys(pri, positions, HIGHEST), axis=-1)
 
 
 def keep_then_evict(pri: mx.array, positions: mx.array, k: int) -> mx.array:
@@ -235,6 +277,19 @@ def keep_then_evict(pri: mx.array, positions: mx.array, k: int) -> mx.array:
     return mx.concatenate([order[..., n - k :][..., ::-1], order[..., : n - k]], axis=-1)
 
 
+def keep_mask(pri: mx.array, positions: mx.array, k,
+              drop: Optional[mx.array] = None) -> mx.array:
+    """(B, n_kv_heads, N) True on each row's ``k`` (an int, or (B, 1, 1)
+    per row) highest (priority, position) held slots: ``select_keep``'s set
+    where rows hold different numbers of tokens; ``drop``: slots that rank
+    below every held one."""
+    keys = held_keys(pri, positions, LOWEST)
+    if drop is not None:
+        keys = mx.where(drop, mx.array(LOWEST, mx.int64), keys)
+    rank = mx.argsort(mx.argsort(keys, axis=-1), axis=-1)  # 0 = lowest
+    return rank >= positions.shape[-1] - k
+
+
 def select_keep(pri: mx.array, positions: mx.array, k: int,
                 drop: Optional[mx.array] = None) -> mx.array:
     """(B, n_kv_heads, k) slots of the k highest keys, in position order;
@@ -242,7 +297,7 @@ def select_keep(pri: mx.array, positions: mx.array, k: int,
     the fewest slots any row keeps)."""
     keys = order_keys(pri, positions)
     if drop is not None:
-        keys = mx.where(drop, mx.array(-(2**63), mx.int64), keys)
+        keys = mx.where(drop, mx.array(LOWEST, mx.int64), keys)
     top = mx.argsort(keys, axis=-1)[..., keys.shape[-1] - k :]
     order = mx.argsort(mx.take_along_axis(positions, top, axis=-1), axis=-1)
     return mx.take_along_axis(top, order, axis=-1)

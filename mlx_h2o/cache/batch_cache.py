@@ -97,7 +97,7 @@ class BatchH2OKVCache(BatchRows):
         if call is None:
             raise RuntimeError("h2o_attention without a preceding update_and_fetch")
         n = self._n
-        own = bs.position_mask(self.positions[..., :n], call.qpos, self.window_size)
+        own = policy.position_mask(self.positions[..., :n], call.qpos, self.window_size)
         mask = _combine(own, mask)
         out, logits, lse = scaled_dot_product_attention_with_scores(
             queries, keys, values, scale=scale, mask=mask, sinks=sinks)
@@ -205,9 +205,11 @@ class BatchH2OKVCache(BatchRows):
         if any(k >= self._n and not f for k, f in zip(self.kept, full)):
             self._reserve(self._n + 1, keys, values)
             self._n += 1
-        slot = bs.first_empty(self.positions[..., : self._n])
+        slot = policy.first_empty(self.positions[..., : self._n])
         if any(full):
-            victim = bs.victims(cfg, *self._meta(), self._seen_rows(1), self.window_size)
+            pri = policy.slot_priority(cfg, *self._meta(), self._seen_rows(1),
+                                       self.window_size)
+            victim = policy.select_victim(pri, self.positions[..., : self._n])
             slot = mx.where(mx.array(full)[:, None], victim, slot)
         position = _rows(s if c else bs.EMPTY for s, c in zip(self.seen, counts))
         self._put(slot, keys, values, position)

@@ -125,8 +125,9 @@ class BatchRows:
         room for a token appended elsewhere (H2OKVCache's decode eviction)."""
         if not rows:
             return
-        victim = bs.victims(self.config, *self._meta(), self._seen_rows(1),
-                            self.window_size)
+        pri = policy.slot_priority(self.config, *self._meta(), self._seen_rows(1),
+                                   self.window_size)
+        victim = policy.select_victim(pri, self.positions[..., : self._n])
         hit = mx.arange(self._n) == victim[..., None]
         self._forget(~(hit & _row_mask(rows, len(self.seen))))
         for b in rows:
@@ -137,9 +138,9 @@ class BatchRows:
         if not rows:
             return
         pos, score, count = self._meta()
-        pri = bs.slot_priority(self.config, pos, score, count, self._seen_rows(),
-                               self.window_size)
-        keep = bs.keep_mask(pri, pos, self.config.max_size)
+        pri = policy.slot_priority(self.config, pos, score, count, self._seen_rows(),
+                                   self.window_size)
+        keep = policy.keep_mask(pri, pos, self.config.max_size)
         self._forget(keep | ~_row_mask(rows, len(self.seen)))
         for b in rows:
             self.kept[b] = self.config.max_size
@@ -162,9 +163,9 @@ class BatchRows:
         gone = pos >= cut
         # (B,) the fewest tokens any KV head of a row still holds below the cut
         k = ((pos >= 0) & ~gone).sum(axis=-1).min(axis=-1).tolist()
-        pri = bs.slot_priority(self.config, pos, score, count, cut, self.window_size)
+        pri = policy.slot_priority(self.config, pos, score, count, cut, self.window_size)
         pri = policy.sinks_first(pri, pos, self.config.sink_size)
-        keep = bs.keep_mask(pri, pos, mx.array(k, mx.int32)[:, None, None], drop=gone)
+        keep = policy.keep_mask(pri, pos, mx.array(k, mx.int32)[:, None, None], drop=gone)
         self._forget(keep)
         self.kept = [int(x) for x in k]
         self.seen = [s - n for s in self.seen]

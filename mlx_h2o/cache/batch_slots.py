@@ -17,45 +17,7 @@ import mlx.core as mx
 from .. import policy
 from ..config import H2OConfig
 
-EMPTY = -1  # position of a slot that holds no token of its row
-_LOWEST = -(2**63)
-_HIGHEST = 2**63 - 1
-
-
-def slot_priority(config: H2OConfig, positions, score, count, seen, window_size=None):
-    """Eviction priority (policy.priority) of every slot for ``seen`` tokens."""
-    keep = policy.protected(positions, seen, config.sink_size, config.recent_budget,
-                            config.pinned)
-    ranked = policy.eviction_score(config.score, score, count)
-    return policy.priority(ranked, keep, positions, seen, window_size)
-
-
-def _keys(pri, positions, empty_key: int):
-    """policy.order_keys with empty slots at ``empty_key``."""
-    keys = policy.order_keys(pri, positions)
-    return mx.where(positions < 0, mx.array(empty_key, mx.int64), keys)
-
-
-def victims(config: H2OConfig, positions, score, count, seen, window_size=None):
-    """(B, Hk) slot of each row's next victim among its held tokens, ranked
-    for ``seen`` tokens (H2OKVCache: its ``offset + 1`` before a decode token)."""
-    pri = slot_priority(config, positions, score, count, seen, window_size)
-    return mx.argmin(_keys(pri, positions, _HIGHEST), axis=-1)
-
-
-def first_empty(positions):
-    """(B, Hk) lowest empty slot of each row (0 where a row has none)."""
-    return mx.argmax(positions < 0, axis=-1)
-
-
-def keep_mask(pri, positions, k, drop: Optional[mx.array] = None):
-    """(B, Hk, N) True on each row's ``k`` (B, 1, 1) highest (priority,
-    position) held slots; ``drop``: slots that rank below every held one."""
-    keys = _keys(pri, positions, _LOWEST)
-    if drop is not None:
-        keys = mx.where(drop, mx.array(_LOWEST, mx.int64), keys)
-    rank = mx.argsort(mx.argsort(keys, axis=-1), axis=-1)  # 0 = lowest
-    return rank >= positions.shape[-1] - k
+EMPTY = policy.EMPTY
 
 
 def forget(meta, keep):
@@ -96,17 +58,6 @@ def take(arrays, slots):
     idx = slots[..., None]
     return (mx.take_along_axis(K, idx, axis=2), mx.take_along_axis(V, idx, axis=2),
             *(mx.take_along_axis(a, slots, axis=2) for a in meta))
-
-
-def position_mask(kpos, qpos, window_size: Optional[int] = None):
-    """(B, Hk, L, N) bool: query positions ``qpos`` (B, L; EMPTY for padding,
-    which sees nothing) against slot positions ``kpos`` (B, Hk, N)."""
-    k = kpos[:, :, None, :]
-    q = qpos[:, None, :, None]
-    mask = (k >= 0) & (k <= q)
-    if window_size is not None:
-        mask = mask & (k > q - window_size)
-    return mask
 
 
 def fold_rows(config: H2OConfig, score, count, logits, lse, positions, select,

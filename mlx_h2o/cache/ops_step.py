@@ -19,19 +19,6 @@ from ..kernels import reference
 from ..kernels.quantized_reference import quantized_matmul_attention_with_scores
 
 
-def slot_priority(config: H2OConfig, positions, score, count, offset, window_size=None,
-                  zones=None):
-    """Eviction priority of the slots (policy.priority) for tokens seen =
-    ``offset``: protected zones +inf, the score mode's ranking otherwise.
-    ``offset`` and ``zones`` (sink size, recent budget; default the
-    config's) may be int32 scalar arrays."""
-    cfg = config
-    sink, recent = (cfg.sink_size, cfg.recent_budget) if zones is None else zones
-    keep = policy.protected(positions, offset, sink, recent, cfg.pinned)
-    ranked = policy.eviction_score(cfg.score, score, count)
-    return policy.priority(ranked, keep, positions, offset, window_size)
-
-
 def in_window(positions, offset, window_size: int):
     """Slots the newest query (position ``offset - 1``) of a sliding-window
     layer still sees, as H2OKVCache._position_mask gives them for one query."""
@@ -51,7 +38,7 @@ def evict_step(config: H2OConfig, scale: float, queries, keys, values, positions
     Shapes: queries (B, Hq, 1, D); keys, values (B, Hk, N, D), or what
     ``attend`` reads (see ``attention_for``); positions, score, count
     (B, Hk, N); slot (B, Hk, 1) or a victim (B, Hk, 1, ·); ``offset`` and
-    ``zones`` as in slot_priority.
+    ``zones`` as in policy.slot_priority.
     Returns (out, positions, score, count, victim (B, Hk, 1, 1) int32)."""
     p, s, c = _fresh_slot(positions, score, count, slot, offset - 1, written)
     seen = None if window_size is None else in_window(p, offset, window_size)[:, :, None]
@@ -65,7 +52,7 @@ def fold_and_pick(config: H2OConfig, logits, lse, positions, score, count, offse
     (``positions`` / ``score`` / ``count``, N slots), and the next victim at
     ``offset + 1``: (positions, score, count, victim (B, Hk, 1, 1) int32)."""
     s, c = policy.fold_scores(config.score, score, count, logits, lse, config.ema_alpha)
-    pri = slot_priority(config, positions, s, c, offset + 1, window_size, zones)
+    pri = policy.slot_priority(config, positions, s, c, offset + 1, window_size, zones)
     victim = policy.select_victim(pri, positions).astype(mx.int32)[..., None, None]
     return positions, s, c, victim
 

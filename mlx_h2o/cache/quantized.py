@@ -21,7 +21,6 @@ from ..kernels.quantized_reference import BITS, check_quantization
 from .h2o import H2OKVCache
 from .io import register_cache_class
 from .mixed_storage import MixedKV
-from .ops_step import slot_priority
 from .quantized_storage import QuantizedKV
 from .storage import fresh_slot, put_slot, take_slots
 
@@ -190,7 +189,7 @@ def mixed_evict(config, window_size, kv, positions, score, count, n, keys, value
     and ``split`` (``kv.split``) may be int32 scalar arrays
     (``compiled_mixed_evict``)."""
     pos = positions[..., :n]
-    pri = slot_priority(config, pos, score[..., :n], count[..., :n], offset + 1, window_size,
+    pri = policy.slot_priority(config, pos, score[..., :n], count[..., :n], offset + 1, window_size,
                         zones)
     victim = policy.select_victim(pri, pos)[..., None]  # (B, Hk, 1)
     target = kv.promote(victim, pos, split)

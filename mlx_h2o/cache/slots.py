@@ -19,7 +19,6 @@ from .. import policy
 from ..config import H2OConfig, check_window_size
 from ..kernels import scaled_dot_product_attention_with_scores
 from ..scores import score_mode
-from .ops_step import slot_priority
 from .storage import DenseKV, fresh_slot, resize_slots, take_slots
 
 
@@ -118,7 +117,8 @@ class SlotCache:
         n = self._n
         pos = self.positions[..., :n]
         score, count = self.score[..., :n], self.count[..., :n]
-        return slot_priority(self.config, pos, score, count, offset, self.window_size), pos
+        pri = policy.slot_priority(self.config, pos, score, count, offset, self.window_size)
+        return pri, pos
 
     def _write_into_victim(self, keys, values):
         """The policy's victim takes this decode token: its slot (B, Hk, 1)."""
@@ -247,9 +247,8 @@ class SlotCache:
     def _position_mask(self, L):
         if self.window_size is None or (L == 1 and self.offset <= self.window_size):
             return None if L == 1 else "causal"
-        q = mx.arange(self.offset - L, self.offset)[:, None]  # (L, 1)
-        k = self.positions[..., None, : self._n]  # (B, Hk, 1, n)
-        return (k <= q) & (k > q - self.window_size)  # (B, Hk, L, n)
+        qpos = mx.arange(self.offset - L, self.offset)[None]  # (1, L)
+        return policy.position_mask(self.positions[..., : self._n], qpos, self.window_size)
 
     # --- what decode steps share --------------------------------------------------
     def slot_metadata(self):
