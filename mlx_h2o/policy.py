@@ -236,6 +236,19 @@ def position_mask(kpos: mx.array, qpos: mx.array, window_size: Optional[int] = N
     return mask
 
 
+def combine_masks(own, mask):
+    """A cache's own mask (None, "causal" or a bool array from positions)
+    with the mask the model passed: an array mask is combined (bool: and;
+    additive: kept where ``own`` sees, -inf elsewhere)."""
+    if not isinstance(mask, mx.array):
+        return own
+    if own is None or isinstance(own, str):
+        return mask  # a slot-layout array mask already encodes causality
+    if mask.dtype == mx.bool_:
+        return own & mask
+    return mx.where(own, mask, -mx.inf)
+
+
 def first_empty(positions: mx.array) -> mx.array:
     """(B, n_kv_heads) lowest slot that holds no token (0 where none)."""
     return mx.argmax(positions < 0, axis=-1)

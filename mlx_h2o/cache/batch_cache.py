@@ -5,14 +5,20 @@ caches of single sequences into one batch cache, pads prompts, lets rows join
 (``extend``) and leave (``filter``) while others decode, and takes a finished
 row's cache back out (``extract``) for its prompt cache. This is that batch
 contract (``BatchKVCache``'s) for H2O caches: each row, and each KV head of
-it, keeps what an ``H2OKVCache`` fed that row alone keeps (same policy, same
-decisions, at the row's own offset), on the reference attention path.
+it, keeps what an ``H2OKVCache`` fed that row alone keeps (the same policy
+functions, the same decisions, at the row's own offset).
 
 Rows share one slot axis; a slot that holds no token of its row (padding,
-an evicted token, room another row needed) has position -1: masked, never
-scored, kept or counted (cache/batch_slots.py). Outside a prefill chunk the
-slots in use never exceed ``max_size`` (a chunk that overflows is attended
-in full, then compacted, as H2OKVCache does).
+an evicted token, room another row needed) has position ``policy.EMPTY``:
+masked, never scored, kept or counted. Outside a prefill chunk the slots
+never exceed ``max_size`` (a chunk that overflows is attended in full, then
+compacted, as H2OKVCache does).
+
+Speed paths (docs/DESIGN.md): a prompt chunk whose rows are scored by their
+last ``prefill_window`` queries is attended by MLX's fused SDPA, and only
+those queries' logits are computed; a decode step is one compiled call
+(``ops_step.rows_step``) that writes each row's token metadata, attends,
+folds and picks each row's next slot.
 """
 
 import json
@@ -26,18 +32,23 @@ from ..config import H2OConfig, check_window_size, config_from_dict, config_to_d
 from ..kernels import scaled_dot_product_attention_with_scores
 from ..scores import score_mode
 from . import batch_slots as bs
-from .batch_rows import BatchRows
+from .batch_rows import BatchRows, row_ints
+from .h2o import H2OKVCache
+from .ops_step import compiled_rows_step, rows_step, written_input
 
 
 class _Call(NamedTuple):
     """What an update tells the attention call that follows it."""
 
-    qpos: mx.array  # (B, L) query positions, -1 for padding
-    select: mx.array  # (B, L) queries each row folds
-    pooled: Optional[mx.array]  # (B,) rows whose chunk overflowed (pooled scores)
-    compact: List[int]  # rows to compact to max_size after the fold
+    qpos: mx.array  # (B, L) query positions, EMPTY for padding
+    select: mx.array  # (B, L) queries each row folds; (B, W) of ``columns`` if given
+    pooled: Optional[mx.array] = None  # (B,) rows whose chunk overflowed (pooled scores)
+    compact: Tuple[int, ...] = ()  # rows to compact to max_size after the fold
     # (B,) rows scored by expected attention, (B, W) their window's queries
     expected: Optional[Tuple[mx.array, mx.array]] = None
+    columns: Optional[mx.array] = None  # (B, W) the only queries a chunk scores
+    # A decode step's (target, qpos, rank_at, full, written): ops_step.rows_step
+    step: Optional[tuple] = None
 
 
 class BatchH2OKVCache(BatchRows):
@@ -63,6 +74,7 @@ class BatchH2OKVCache(BatchRows):
         self.keys = self.values = self.positions = self.score = self.count = None
         self._n = 0  # slots in use (shared by the rows)
         self._call = None
+        self._target = None  # (B, Hk, 1) slot of each row's next decode token
         self.token_bytes = 0
         self._set_rows([0] * batch_size, [0] * batch_size,
                        list(left_padding or [0] * batch_size), None)
@@ -88,6 +100,8 @@ class BatchH2OKVCache(BatchRows):
             self._chunk(keys, values, spans)
         self._sync_offset()
         n = self._n
+        if n == self.keys.shape[2]:  # whole buffers: no slice nodes
+            return self.keys, self.values
         return self.keys[..., :n, :], self.values[..., :n, :]
 
     def h2o_attention(self, queries, keys, values, *, scale, mask=None, sinks=None):
@@ -96,28 +110,65 @@ class BatchH2OKVCache(BatchRows):
         call, self._call = self._call, None
         if call is None:
             raise RuntimeError("h2o_attention without a preceding update_and_fetch")
-        n = self._n
+        if call.step is not None:
+            return self._attend_decode(queries, keys, values, scale, mask, sinks, call.step)
+        n, Hk = self._n, keys.shape[1]
         own = policy.position_mask(self.positions[..., :n], call.qpos, self.window_size)
-        mask = _combine(own, mask)
-        out, logits, lse = scaled_dot_product_attention_with_scores(
-            queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        meta = (self.positions[..., :n], self.score[..., :n], self.count[..., :n])
-        expected = None
-        if call.expected is not None:
-            rows, window = call.expected
-            row = bs.expected_logits(queries, keys, scale, mask, sinks, window)
-            expected = (rows, *row)
-        score, count = bs.fold_rows(self.config, meta[1], meta[2], logits, lse, meta[0],
-                                    call.select, call.pooled, expected)
-        self.score[..., :n] = score
-        self.count[..., :n] = count
-        if call.compact:
-            self._compact(call.compact)
-        if queries.shape[2] > 1:
-            self._pack()
+        mask = policy.combine_masks(own, mask)
+        windowed = (call.columns is not None and sinks is None
+                    and mask.shape[1] in (1, Hk))
+        if windowed:  # MLX's SDPA attends; only the window's queries are scored
+            out = bs.fused_attention(queries, keys, values, scale, mask)
+            _, logits, lse = scaled_dot_product_attention_with_scores(
+                bs.take_queries(queries, call.columns), keys, values, scale=scale,
+                mask=bs.take_mask_rows(mask, call.columns))
+        else:
+            out, logits, lse = scaled_dot_product_attention_with_scores(
+                queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        self._fold(call, queries, keys, scale, mask, sinks, logits, lse, windowed)
+        self._pack()
+        if not windowed:
             # A chunk's logits are large: finish this layer before the next.
             mx.eval(out, self.positions, self.score, self.count)
         return out
+
+    def _fold(self, call, queries, keys, scale, mask, sinks, logits, lse, windowed):
+        n = self._n
+        expected = None
+        if call.expected is not None:
+            rows, window = call.expected
+            expected = (rows, *bs.expected_logits(queries, keys, scale, mask, sinks, window))
+        select = call.select if windowed else self._full_select(call)
+        score, count = bs.fold_rows(self.config, *self._meta()[1:], logits, lse,
+                                    self.positions[..., :n], select, call.pooled, expected)
+        self.score[..., :n] = score
+        self.count[..., :n] = count
+        self._compact(list(call.compact))
+
+    def _full_select(self, call):
+        """(B, L) the queries each row folds, when every query was scored."""
+        if call.columns is None:
+            return call.select
+        full = mx.zeros(call.qpos.shape, mx.bool_)
+        return mx.put_along_axis(full, call.columns, call.select, axis=1)
+
+    def _attend_decode(self, queries, keys, values, scale, mask, sinks, step):
+        """One token per row: ops_step.rows_step, compiled where nothing but
+        the positions masks it."""
+        cfg, meta = self.config, (self.positions, self.score, self.count)
+        target, qpos, rank_at, full, written = step
+        args = (queries, keys, values, *meta, target, qpos, rank_at, full)
+        if mask is None and sinks is None:
+            fn = compiled_rows_step(cfg, float(scale), self.window_size)
+            out, *meta, nxt = fn(*args, written_input(written))
+        else:
+            out, *meta, nxt = rows_step(cfg, scale, *args, written, self.window_size,
+                                        mask=mask, sinks=sinks)
+        self.positions, self.score, self.count = meta
+        self._target = nxt
+        # Evaluated with the output: left lazy, each step's graph would hold
+        # the last one's buffers.
+        return mx.depends(out, [*meta, nxt])
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
         # Masks come from slot positions in h2o_attention (padding included).
@@ -131,8 +182,7 @@ class BatchH2OKVCache(BatchRows):
 
     @property
     def nbytes(self) -> int:
-        arrays = (self.keys, self.values, self.positions, self.score, self.count)
-        return sum(a.nbytes for a in arrays if a is not None)
+        return sum(a.nbytes for a in self._arrays() if a is not None)
 
     def is_trimmable(self) -> bool:
         return True
@@ -154,18 +204,16 @@ class BatchH2OKVCache(BatchRows):
         if self.keys is None:
             return []
         n = self._n
-        return (self.keys[..., :n, :], self.values[..., :n, :], self.positions[..., :n],
-                self.score[..., :n], self.count[..., :n])
+        return tuple(a[:, :, :n] for a in self._arrays())
 
     @state.setter
     def state(self, v):
         self._call = None
         if not v:
-            self.keys = self.values = self.positions = self.score = self.count = None
+            self._set_arrays((None,) * 5)
             self._n = 0
             return
-        self.keys, self.values, self.positions, self.score, self.count = (
-            mx.array(a) for a in v)
+        self._set_arrays(tuple(mx.array(a) for a in v))
         self._n = self.keys.shape[2]
 
     @property
@@ -194,119 +242,138 @@ class BatchH2OKVCache(BatchRows):
     # --- updates -----------------------------------------------------------------
     def _decode(self, keys, values, spans):
         """One token per row: into the row's victim when it is full, else into
-        an empty slot (one more slot only when some such row has none)."""
-        cfg, counts = self.config, [c for _, c in spans]
+        an empty slot (more slots only when a row with a token has none)."""
+        cfg, has = self.config, [c == 1 for _, c in spans]
         # A prompt left whole (prefill_compact="prompt") is compacted first.
-        whole = [b for b, c in enumerate(counts) if c and self.kept[b] > cfg.max_size]
+        whole = [b for b, h in enumerate(has) if h and self.kept[b] > cfg.max_size]
         if whole:
             self._compact(whole)
             self._pack()
-        full = [c == 1 and k >= cfg.max_size for c, k in zip(counts, self.kept)]
-        if any(k >= self._n and not f for k, f in zip(self.kept, full)):
+        if self.keys is None:
+            self._reserve(1, keys, values)
+        self._n = self.keys.shape[2]  # decode reads whole buffers (EMPTY slots masked)
+        full = [h and k >= cfg.max_size for h, k in zip(has, self.kept)]
+        if any(h and not f and k >= self._n for h, f, k in zip(has, full, self.kept)):
             self._reserve(self._n + 1, keys, values)
-            self._n += 1
-        slot = policy.first_empty(self.positions[..., : self._n])
-        if any(full):
-            pri = policy.slot_priority(cfg, *self._meta(), self._seen_rows(1),
-                                       self.window_size)
-            victim = policy.select_victim(pri, self.positions[..., : self._n])
-            slot = mx.where(mx.array(full)[:, None], victim, slot)
-        position = _rows(s if c else bs.EMPTY for s, c in zip(self.seen, counts))
-        self._put(slot, keys, values, position)
-        qpos = position[:, :, 0]  # (B, 1)
-        self.kept = [k if f else k + c for k, c, f in zip(self.kept, counts, full)]
-        self.seen = [s + c for s, c in zip(self.seen, counts)]
-        self._call = _Call(qpos, qpos >= 0, None, [])
+            self._n = self.keys.shape[2]
+        target = self._target if self._target is not None else self._targets(full)
+        self._put(target, keys, values, has)
+        qpos = tuple(s if h else policy.EMPTY for s, h in zip(self.seen, has))
+        self.kept = [k + (h and not f) for k, h, f in zip(self.kept, has, full)]
+        self.seen = [s + h for s, h in zip(self.seen, has)]
+        full_next = tuple(k >= cfg.max_size for k in self.kept)
+        step = (target, row_ints(qpos, 3), row_ints(tuple(s + 1 for s in self.seen), 3),
+                row_ints(full_next, 3, mx.bool_), policy.written_score(cfg.score, keys))
+        self._call = _Call(row_ints(qpos, 2), None, step=step)
+
+    def _targets(self, full: List[bool]) -> mx.array:
+        """(B, Hk, 1) where each row's decode token goes: its victim, ranked
+        for one more token, where ``full``, else its lowest empty slot."""
+        pos = self.positions[..., : self._n]
+        pri = policy.slot_priority(self.config, *self._meta(), self._seen_rows(1),
+                                   self.window_size)
+        victim = policy.select_victim(pri, pos)
+        rows = mx.array(full)[:, None]
+        return mx.where(rows, victim, policy.first_empty(pos)).astype(mx.int32)[..., None]
 
     def _chunk(self, keys, values, spans):
-        """L > 1 tokens: appended as new slots (padding at position -1). A row
-        with one token of its own takes H2OKVCache's decode path (its victim
-        goes first); one whose chunk overflows is scored by its last
+        """L > 1 tokens: appended as new slots (padding at position EMPTY). A
+        row with one token of its own takes H2OKVCache's decode path (its
+        victim goes first); one whose chunk overflows is scored by its last
         ``prefill_window`` queries and compacted after the attention."""
         cfg, L = self.config, keys.shape[2]
         ones = [b for b, (_, c) in enumerate(spans) if c == 1]
         self._compact([b for b in ones if self.kept[b] > cfg.max_size])
         self._evict_one([b for b in ones if self.kept[b] >= cfg.max_size])
-        qpos = np.full((len(spans), L), bs.EMPTY, np.int32)
+        qpos = np.full((len(spans), L), policy.EMPTY, np.int32)
         for b, (start, c) in enumerate(spans):
             qpos[b, start : start + c] = np.arange(self.seen[b], self.seen[b] + c)
         self._append(keys, values, mx.array(qpos))
         self.kept = [k + c for k, (_, c) in zip(self.kept, spans)]
         self.seen = [s + c for s, (_, c) in zip(self.seen, spans)]
         over = [c > 1 and k > cfg.max_size for (_, c), k in zip(spans, self.kept)]
-        select = self._selection(spans, over, L)
         replace = [o and policy.window_replaces(cfg, c, k - c)
                    for o, (_, c), k in zip(over, spans, self.kept)]
         if any(replace):  # a later chunk on a full row: its window alone decides
             rows = mx.array(replace)[:, None, None]
             self.score = mx.where(rows, 0.0, self.score)
             self.count = mx.where(rows, 0.0, self.count)
-        compact = [b for b, o in enumerate(over) if o and cfg.prefill_compact == "chunk"]
-        self._call = _Call(mx.array(qpos), mx.array(select),
-                           mx.array(over) if any(over) else None, compact,
-                           self._expected_rows(spans, over))
+        select, columns = self._selection(spans, over, L)
+        compact = tuple(b for b, o in enumerate(over) if o and cfg.prefill_compact == "chunk")
+        self._call = _Call(mx.array(qpos), select, mx.array(over) if any(over) else None,
+                           compact, self._expected_rows(spans, over), columns)
 
     def _selection(self, spans, over, L):
-        """(B, L) bool: each row's own queries; an overflowing row's last
-        ``prefill_window`` of them (0: all)."""
+        """(select, columns): the queries each row folds, (B, L) bool (an
+        overflowing row: its last ``prefill_window``; 0: all), or, when no
+        row folds more than W = ``prefill_window`` > 1 of them, (B, W) bool
+        over ``columns`` (B, W), each row's last W query columns (the
+        chunk's first W where a row ends before W)."""
         W = self.config.prefill_window
         select = np.zeros((len(spans), L), bool)
         for b, (start, c) in enumerate(spans):
             first = start + c - W if over[b] and 0 < W < c else start
             select[b, first : start + c] = True
-        return select
+        if not 1 < W < L or select.sum(axis=1).max() > W:
+            return mx.array(select), None
+        columns = self._window_columns(spans)
+        return mx.array(np.take_along_axis(select, columns, axis=1)), mx.array(columns)
+
+    def _window_columns(self, spans) -> np.ndarray:
+        """(B, W) int32: each row's last W = ``prefill_window`` query columns."""
+        W = self.config.prefill_window
+        ends = np.array([max(start + c, W) for start, c in spans])
+        return (ends[:, None] - W + np.arange(W)).astype(np.int32)
 
     def _expected_rows(self, spans, over):
         """(rows, window) for an expected-attention mode: rows (B,) whose chunk
         is scored by its window (``policy.scored_by_window``), window (B, W)
         their last W queries (other rows: any)."""
-        W = self.config.prefill_window
         rows = [policy.scored_by_window(self.config, c, o, self.window_size)
                 for o, (_, c) in zip(over, spans)]
         if score_mode(self.config.score).prefill != "expected" or not any(rows):
             return None
-        ends = np.array([max(start + c, W) for start, c in spans])
-        return mx.array(rows), mx.array(ends[:, None] - W + np.arange(W), mx.int32)
+        return mx.array(rows), mx.array(self._window_columns(spans))
+
+    # --- merging single caches --------------------------------------------------------
+    @classmethod
+    def merge(cls, caches) -> "BatchH2OKVCache":
+        """One batch from single-sequence H2OKVCaches of one layer (mlx-lm
+        calls ``caches[0].merge(caches)``): each row holds its cache's slots,
+        scores and offset; rows with fewer slots get empty ones."""
+        first = caches[0]
+        for c in caches:
+            if type(c) is not H2OKVCache:
+                raise ValueError(
+                    f"{type(c).__name__} cannot join a batch: batched generation "
+                    "(mlx-lm's BatchGenerator, `mlx-h2o serve`) takes dense H2OKVCache "
+                    "caches only")
+            if (c.config, c.window_size) != (first.config, first.window_size):
+                raise ValueError("caches of one layer with different budgets or windows "
+                                 f"cannot form a batch: {c.config} vs {first.config}")
+        batch = cls(first.config, len(caches), first.window_size)
+        batch.model_name = first.model_name
+        states = [c.state for c in caches]  # reading the state folds queued scores
+        sizes = [c.size() for c in caches]
+        if max(sizes, default=0):
+            batch.state = bs.stacked(states, sizes)
+        batch._set_rows([c.offset for c in caches], sizes, [0] * len(caches), None)
+        batch.token_bytes = max(c.token_bytes for c in caches) * len(caches)
+        return batch
+
+    def extract(self, idx: int) -> H2OKVCache:
+        """Row ``idx`` as a single-sequence H2OKVCache (its held tokens in
+        position order, their scores): what the row alone would hold."""
+        k, seen = self.kept[idx], self.seen[idx]
+        template = H2OKVCache(self.config, self.window_size)
+        template.model_name = self.model_name
+        template.offset, template.evicted = seen, seen - k
+        if self.keys is None or k == 0:
+            return template
+        row = self._row(idx)
+        state = bs.take(row, bs.packed_order(row[2], k))
+        return H2OKVCache.from_state(state, template.meta_state)
 
 
-def _rows(values) -> mx.array:
-    """(B, 1, 1) int32 from one value per row."""
-    return mx.array(list(values), mx.int32)[:, None, None]
-
-
-def _combine(own, mask):
-    """The slot-position mask with a mask the model passed as an array."""
-    if not isinstance(mask, mx.array):
-        return own  # None / "causal": the positions say it all
-    if mask.dtype == mx.bool_:
-        return own & mask
-    return mx.where(own, mask, -mx.inf)
-
-
-def _merge(cls, caches) -> BatchH2OKVCache:
-    """One BatchH2OKVCache from single-sequence H2OKVCaches of one layer (mlx-lm
-    calls ``caches[0].merge(caches)``): each row holds its cache's slots,
-    scores and offset; rows with fewer slots get empty ones."""
-    from .h2o import H2OKVCache  # h2o.py imports this module lazily (merge)
-
-    first = caches[0]
-    for c in caches:
-        if type(c) is not H2OKVCache:
-            raise ValueError(
-                f"{type(c).__name__} cannot join a batch: batched generation (mlx-lm's "
-                "BatchGenerator, `mlx-h2o serve`) takes dense H2OKVCache caches only")
-        if (c.config, c.window_size) != (first.config, first.window_size):
-            raise ValueError("caches of one layer with different budgets or windows "
-                             f"cannot form a batch: {c.config} vs {first.config}")
-    batch = BatchH2OKVCache(first.config, len(caches), first.window_size)
-    batch.model_name = first.model_name
-    states = [c.state for c in caches]  # reading the state folds queued scores
-    sizes = [c.size() for c in caches]
-    if max(sizes, default=0):
-        batch.state = bs.stacked(states, sizes)
-    batch._set_rows([c.offset for c in caches], sizes, [0] * len(caches), None)
-    batch.token_bytes = max(c.token_bytes for c in caches) * len(caches)
-    return batch
-
-
-BatchH2OKVCache.merge = classmethod(_merge)
+# mlx-lm merges through the single caches' class: ``caches[0].merge(caches)``.
+H2OKVCache.batch_class = BatchH2OKVCache

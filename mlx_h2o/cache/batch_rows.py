@@ -7,12 +7,21 @@ and ``finalize()``, ``valid`` (the row's tokens still to come before its
 right padding): decisions about growth and packing never wait for the device.
 """
 
+from functools import lru_cache
 from typing import List, Optional
 
 import mlx.core as mx
 
 from .. import policy
 from . import batch_slots as bs
+
+
+@lru_cache(maxsize=256)
+def row_ints(values: tuple, ndim: int = 1, dtype=mx.int32) -> mx.array:
+    """One value per row as a (B,) array, or (B, 1[, 1]) for ``ndim`` 2 or
+    3; made once per value and shared by every layer's cache (each decode
+    step of a batch needs the same ones in every layer)."""
+    return mx.array(values, dtype).reshape((len(values),) + (1,) * (ndim - 1))
 
 
 class BatchRows:
@@ -25,7 +34,7 @@ class BatchRows:
 
     def _sync_offset(self):
         # The RoPE position of each row's next token (BatchKVCache's offset).
-        self.offset = mx.array([s - p for s, p in zip(self.seen, self.left)], mx.int32)
+        self.offset = row_ints(tuple(s - p for s, p in zip(self.seen, self.left)))
 
     @property
     def evicted(self) -> List[int]:
@@ -67,6 +76,12 @@ class BatchRows:
 
     def _set_arrays(self, arrays):
         self.keys, self.values, self.positions, self.score, self.count = arrays
+        self._target = None  # the slots moved: the next decode step picks again
+
+    def _row(self, idx: int):
+        """Row ``idx``'s (keys, values, positions, score, count), slots in use."""
+        n = self._n
+        return tuple(a[idx : idx + 1, :, :n] for a in self._arrays())
 
     def _reserve(self, need: int, keys, values):
         """Room for ``need`` slots (decode grows by config.step up to max_size)."""
@@ -100,10 +115,16 @@ class BatchRows:
         self.count[..., n : n + L] = 0.0
         self._n = n + L
 
-    def _put(self, slot, keys, values, position):
-        written = policy.written_score(self.config.score, keys)
-        self._set_arrays(bs.put_token(self._arrays(), slot, keys, values, position,
-                                      written))
+    def _put(self, target, keys, values, has: List[bool]):
+        """One decode token per row into ``target`` (B, Hk, 1); rows without a
+        token (``has`` False) keep what the slot holds."""
+        idx = target[..., None]  # (B, Hk, 1, 1)
+        if not all(has):
+            rows = mx.array(has)[:, None, None, None]
+            keys = mx.where(rows, keys, mx.take_along_axis(self.keys, idx, axis=2))
+            values = mx.where(rows, values, mx.take_along_axis(self.values, idx, axis=2))
+        self.keys = mx.put_along_axis(self.keys, idx, keys, axis=2)
+        self.values = mx.put_along_axis(self.values, idx, values, axis=2)
 
     def _meta(self):
         n = self._n
@@ -116,6 +137,7 @@ class BatchRows:
         """Empty the slots in use outside ``keep`` (B, Hk, n)."""
         n = self._n
         pos, score, count = bs.forget(self._meta(), keep)
+        self._target = None
         self.positions[..., :n] = pos
         self.score[..., :n] = score
         self.count[..., :n] = count
@@ -200,22 +222,6 @@ class BatchRows:
         self._set_rows(self.seen + other.seen, self.kept + other.kept,
                        self.left + other.left, valid)
         self.token_bytes = self.token_bytes or other.token_bytes
-
-    def extract(self, idx: int):
-        """Row ``idx`` as a single-sequence H2OKVCache (its held tokens in
-        position order, their scores): what the row alone would hold."""
-        from .h2o import H2OKVCache  # h2o.py takes `merge` from batch_cache
-
-        k, seen = self.kept[idx], self.seen[idx]
-        template = H2OKVCache(self.config, self.window_size)
-        template.model_name = self.model_name
-        template.offset, template.evicted = seen, seen - k
-        if self.keys is None or k == 0:
-            return template
-        n = self._n
-        row = tuple(a[idx : idx + 1, :, :n] for a in self._arrays())
-        state = bs.take(row, bs.packed_order(row[2], k))
-        return H2OKVCache.from_state(state, template.meta_state)
 
 
 def _row_mask(rows: List[int], B: int) -> mx.array:

@@ -27,22 +27,6 @@ def forget(meta, keep):
             mx.where(keep, count, 0.0))
 
 
-def put_token(arrays, slot, keys, values, position, written=0.0):
-    """Write one token per (row, KV head) into ``slot`` (B, Hk): its K/V,
-    ``position`` (B, 1, 1), a zero count and the score ``written``
-    (policy.written_score of ``keys``). ``arrays``: (keys, values,
-    positions, score, count) buffers; returns the new five."""
-    K, V, pos, score, count = arrays
-    idx = slot.astype(mx.int32)[..., None]  # (B, Hk, 1)
-    zero = mx.zeros(idx.shape, mx.float32)
-    start = zero if isinstance(written, float) else written
-    return (mx.put_along_axis(K, idx[..., None], keys, axis=2),
-            mx.put_along_axis(V, idx[..., None], values, axis=2),
-            mx.put_along_axis(pos, idx, mx.broadcast_to(position, idx.shape), axis=2),
-            mx.put_along_axis(score, idx, start, axis=2),
-            mx.put_along_axis(count, idx, zero, axis=2))
-
-
 def packed_order(positions, k: int):
     """(B, Hk, k) slots that hold each row's tokens in position order, then
     empty ones: a gather to ``k`` slots that keeps every held token when no
@@ -96,13 +80,44 @@ def expected_logits(queries, keys, scale, mask, sinks, window):
     """policy.expected_logits of each row's ``window`` (B, W) queries, each
     row's keys masked as its last window query's are (``mask``: the call's
     (B, Hk, L, N) bool or additive mask)."""
-    B, Hq, _, D = queries.shape
-    q = mx.take_along_axis(queries, mx.broadcast_to(
-        window[:, None, :, None], (B, Hq, window.shape[1], D)), axis=2)  # (B, Hq, W, D)
-    last = window[:, -1][:, None, None, None]
-    mask = mx.take_along_axis(mask, mx.broadcast_to(
-        last, (B, mask.shape[1], 1, mask.shape[3])), axis=2)  # (B, Hk, 1, N)
+    q = take_queries(queries, window)  # (B, Hq, W, D)
+    mask = take_mask_rows(mask, window[:, -1:])  # (B, Hk, 1, N)
     return policy.expected_logits(q, keys, scale, mask, sinks)
+
+
+def fused_attention(queries, keys, values, scale, mask):
+    """MLX's fused SDPA under a per-KV-head ``mask`` (B, Hk or 1, L, N): rows
+    of one batch evict different slots per KV head, so a query head's mask
+    is its KV head's; each KV head with its group of query heads is attended
+    as its own sequence (B * Hk of them). Query rows that see nothing
+    (padding) see every slot instead: their outputs are never used, and an
+    all-masked row would give NaN. Returns (B, Hq, L, Dv)."""
+    B, Hq, L, D = queries.shape
+    Hk, N, Dv = keys.shape[1], keys.shape[2], values.shape[3]
+    if mask.dtype == mx.bool_:
+        mask = mask | ~mask.any(axis=-1, keepdims=True)
+    if mask.shape[1] == 1 or Hk == 1:
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
+                                                    mask=mask)
+    G = Hq // Hk
+    out = mx.fast.scaled_dot_product_attention(
+        queries.reshape(B * Hk, G, L, D), keys.reshape(B * Hk, 1, N, D),
+        values.reshape(B * Hk, 1, N, Dv), scale=scale, mask=mask.reshape(B * Hk, 1, L, N))
+    return out.reshape(B, Hq, L, Dv)
+
+
+def take_queries(queries, columns):
+    """The (B, Hq, W, D) queries of each row's ``columns`` (B, W)."""
+    B, Hq, _, D = queries.shape
+    idx = mx.broadcast_to(columns[:, None, :, None], (B, Hq, columns.shape[1], D))
+    return mx.take_along_axis(queries, idx, axis=2)
+
+
+def take_mask_rows(mask, columns):
+    """The (B, H, W, N) rows of ``mask`` (B, H, L, N) at each row's ``columns``."""
+    B, H, _, N = mask.shape
+    idx = mx.broadcast_to(columns[:, None, :, None], (B, H, columns.shape[1], N))
+    return mx.take_along_axis(mask, idx, axis=2)
 
 
 def stacked(states, sizes):

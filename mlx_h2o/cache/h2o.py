@@ -132,13 +132,14 @@ class H2OKVCache(SlotCache, _BaseCache):
         mx.eval(out, self.score, self.count, self.positions)
         return out
 
+    # The batch cache of these caches (cache/batch_cache.py declares itself).
+    batch_class = None
+
     @classmethod
-    def merge(cls, caches) -> "BatchH2OKVCache":  # noqa: F821
+    def merge(cls, caches):
         """mlx-lm's batch contract (BatchGenerator, the server): a
         BatchH2OKVCache whose rows are these single-sequence caches."""
-        from .batch_cache import BatchH2OKVCache  # it builds rows of this class
-
-        return BatchH2OKVCache.merge(caches)
+        return cls.batch_class.merge(caches)
 
     def empty(self) -> bool:
         return self._positions is None

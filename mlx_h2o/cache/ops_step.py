@@ -150,6 +150,48 @@ def compiled_fill(config: H2OConfig, scale: float, window_size=None,
                               attend=attention_for(kind)))
 
 
+def rows_step(config: H2OConfig, scale: float, queries, keys, values, positions, score,
+              count, target, qpos, rank_at, full, written=0.0, window_size=None,
+              mask=None, sinks=None):
+    """One decode step of rows at different fill levels (a batch of
+    sequences): each row's token, already in ``target``, gets position
+    ``qpos`` and fresh scores (score ``written``); each row's query attends
+    the slots it holds (EMPTY ones and, on a sliding-window layer, those out
+    of its window are masked), its attention is folded in, and the slot of
+    the row's next token is picked: its victim ranked at ``rank_at`` where
+    ``full``, else its lowest empty slot. A row without a token this step
+    (``qpos`` EMPTY) sees nothing and keeps its scores.
+
+    Shapes: queries (B, Hq, 1, D); keys, values (B, Hk, N, D); positions,
+    score, count (B, Hk, N); target (B, Hk, 1) int32; qpos, rank_at (B, 1, 1)
+    int32; full (B, 1, 1) bool; written a float or (B, Hk, 1); ``mask`` a
+    mask the model passed, ``sinks`` attention sinks (uncompiled calls).
+    Returns (out, positions, score, count, next target (B, Hk, 1) int32)."""
+    has = qpos >= 0
+    hit = (mx.arange(positions.shape[-1]) == target) & has  # (B, Hk, N)
+    p = mx.where(hit, qpos, positions)
+    s, c = mx.where(hit, written, score), mx.where(hit, 0.0, count)
+    own = policy.position_mask(p, qpos[:, :, 0], window_size)  # (B, Hk, 1, N)
+    out, logits, lse = reference.scaled_dot_product_attention_with_scores(
+        queries, keys, values, scale=scale, mask=policy.combine_masks(own, mask),
+        sinks=sinks)
+    lse = mx.where(lse > -mx.inf, lse, 0.0)  # a row that sees nothing folds nothing
+    s, c = policy.fold_scores(config.score, s, c, logits, lse, config.ema_alpha)
+    pri = policy.slot_priority(config, p, s, c, rank_at, window_size)
+    victim = policy.select_victim(pri, p)
+    nxt = mx.where(full[..., 0], victim, policy.first_empty(p))
+    return out, p, s, c, nxt.astype(mx.int32)[..., None]
+
+
+@lru_cache(maxsize=64)
+def compiled_rows_step(config: H2OConfig, scale: float, window_size=None) -> Callable:
+    """``rows_step`` for one cache's settings through mx.compile: (queries,
+    keys, values, positions, score, count, target, qpos, rank_at, full,
+    written) -> (out, positions, score, count, next target); ``written`` an
+    array (``written_input``)."""
+    return mx.compile(partial(rows_step, config, scale, window_size=window_size))
+
+
 @lru_cache(maxsize=512)
 def int_array(value: int) -> mx.array:
     """A compiled step's int32 scalar input for a per-layer constant (made once)."""

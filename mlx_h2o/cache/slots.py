@@ -235,14 +235,7 @@ class SlotCache:
 
     # --- masks ------------------------------------------------------------------
     def _mask(self, L, mask):
-        own = self._position_mask(L)
-        if not isinstance(mask, mx.array):
-            return own
-        if own is None or isinstance(own, str):
-            return mask  # a slot-layout array mask already encodes causality
-        if mask.dtype == mx.bool_:
-            return own & mask
-        return mx.where(own, mask, -mx.inf)
+        return policy.combine_masks(self._position_mask(L), mask)
 
     def _position_mask(self, L):
         if self.window_size is None or (L == 1 and self.offset <= self.window_size):
