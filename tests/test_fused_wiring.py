@@ -188,7 +188,7 @@ def test_fold_step_path_matches_op_by_op_path(emulated_fold_kernel, mode, window
     for a, b in zip(drive(folded, lengths, 5, 30, dim), drive(plain, lengths, 5, 30, dim)):
         np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-6)
     assert (folded.offset, folded.evicted) == (plain.offset, plain.evicted)
-    assert folded._victim is not None  # the last steps carried the fold's victim
+    assert folded.next_victim is not None  # the last steps carried the fold's victim
     for x, y in zip(folded.state, plain.state):
         np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-6)
 

@@ -59,8 +59,8 @@ def same_over_stream(caches, seed, dim=D):
     for L in STREAM:
         outs = [step(c, L, r, dim=dim) for c, r in zip(caches, rngs)]
         np.testing.assert_allclose(np.array(outs[0]), np.array(outs[1]), rtol=1e-5, atol=1e-6)
-        taken += caches[0]._victim is not None
-        assert caches[1]._victim is None
+        taken += caches[0].next_victim is not None
+        assert caches[1].next_victim is None
         assert_same(*caches)
     return taken
 
@@ -88,7 +88,7 @@ def test_compiled_quantized_step_equals_op_by_op(mode, window, bits):
     caches = pair(cfg, window, make)
     taken = same_over_stream(caches, seed=4, dim=64)
     assert taken >= 50 and caches[0].evicted > 50
-    assert caches[0]._victim.shape == (2, HK, 1, 1)  # what the triples' scatters take
+    assert caches[0].next_victim.shape == (2, HK, 1, 1)  # what the triples' scatters take
 
 
 @pytest.mark.parametrize("mode", SCORE_MODES)
@@ -129,7 +129,7 @@ def test_compiled_step_through_trim_and_state():
     for L in [1] * 20:
         outs = [step(c, L, r) for c, r in zip(caches, rngs)]
         np.testing.assert_allclose(np.array(outs[0]), np.array(outs[1]), rtol=1e-5, atol=1e-6)
-    assert restored._victim is not None
+    assert restored.next_victim is not None
     assert_same(*caches)
 
 
@@ -158,4 +158,4 @@ def test_batched_eviction_keeps_the_op_path():
     rng = np.random.default_rng(2)
     for L in [12] + [1] * 10:
         step(cache, L, rng)
-        assert cache._victim is None
+        assert cache.next_victim is None

@@ -113,12 +113,12 @@ def test_group_steps_are_taken_and_stacked():
     group = group_of(grouped[0])
     assert not group.has_pending() and members_of(group, stacked=True) == grouped
     assert group._meta[0].shape == (3 * B, HK, 40)  # padded to the largest layer
-    assert all(c._victim is v for c, v in zip(grouped, group._victims))
+    assert all(c.next_victim is v for c, v in zip(grouped, group._victims))
     # The next token's first update writes where the fold told it; no fold there.
     rng = np.random.default_rng(9)
     k = mx.array(rng.standard_normal((B, HK, 1, D)).astype(np.float32))
     grouped[0].update_and_fetch(k, k)
-    assert grouped[0]._slot is group._victims[0] and grouped[0]._victim is None
+    assert grouped[0].written_slot is group._victims[0] and grouped[0].next_victim is None
     assert not group.has_pending()
 
 

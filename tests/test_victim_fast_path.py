@@ -1,4 +1,4 @@
-"""The evicting steady state's fast path (SlotCache._into_victim, _write_picked_victim).
+"""The evicting steady state's fast path (SlotCache.into_victim, _write_picked_victim).
 
 A full cache whose fused step, compiled CPU step or group fold picked the
 next victim writes its decode token there without the general path's checks.
@@ -89,7 +89,7 @@ def counting(monkeypatch):
     """Count the fast path's takes (the caches whose update it served; the
     general path writes a victim a flush just picked by the same method)."""
     taken = []
-    into = H2OKVCache._into_victim
+    into = H2OKVCache.into_victim
 
     def counted(self):
         takes = into(self)
@@ -127,7 +127,7 @@ def test_fast_path_keeps_the_scores_check():
     caches = per_layer(configs())
     play(caches, 2, D, [5] + [1] * 40)
     c = caches[0]
-    assert c._victim is not None and c._into_victim()
+    assert c.next_victim is not None and c.into_victim()
     k = mx.zeros((B, HK, 1, D))
     c.update_and_fetch(k, k)
     with pytest.raises(RuntimeError, match="before the attention"):
@@ -156,8 +156,8 @@ def test_fast_path_declines_where_the_general_path_does_more(case, monkeypatch):
         play(caches, 4, D, script)
         rng = np.random.default_rng(7)
         for c in caches:  # a victim per (sequence, KV head), as a fused step's
-            c._victim = mx.array(rng.integers(3, 20, (B, HK, 1, 1)).astype(np.int32))
-            c._victim = mx.broadcast_to(c._victim, (B, HK, 1, D))
+            c.next_victim = mx.array(rng.integers(3, 20, (B, HK, 1, 1)).astype(np.int32))
+            c.next_victim = mx.broadcast_to(c.next_victim, (B, HK, 1, D))
         over = caches[0].size() - cfgs[0].max_size
         assert over == (0 if case == "evict_batch" else 30)
         before = len(taken)

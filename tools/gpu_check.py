@@ -179,7 +179,7 @@ def fused_run(cfg, *, B, Hq, Hk, D, dtype, window, prefill, steps, splits, seed,
         with mx.stream(mx.cpu):
             full = ref.size() >= cfg.max_size
             if full:
-                pri, pos = ref._priority(ref.offset + 1)
+                pri, pos = ref.priority(ref.offset + 1)
                 ref_slot = np.array(policy.select_victim(pri, pos))
                 pri = np.array(pri)
             kk, vv = ref.update_and_fetch(k, v)

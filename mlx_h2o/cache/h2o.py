@@ -50,7 +50,7 @@ class H2OKVCache(SlotCache, _BaseCache):
                  decode: str = "auto"):
         super().__init__(config, window_size)
         self.token_bytes = 0  # dense K+V bytes of one token (all sequences, heads)
-        self._pending = False  # tokens whose attention has not run yet
+        self.pending = False  # tokens whose attention has not run yet
         self.model_name = ""
         self.fold_phase = 0
         self.decode = None
@@ -90,7 +90,7 @@ class H2OKVCache(SlotCache, _BaseCache):
 
     # --- mlx-lm cache contract -------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        if self._pending:
+        if self.pending:
             raise RuntimeError(self._pending_error())
         if keys.ndim != 4 or keys.shape[:3] != values.shape[:3] or not keys.shape[2]:
             raise ValueError(_bad_update(keys, values))
@@ -98,25 +98,25 @@ class H2OKVCache(SlotCache, _BaseCache):
         if L == 1:
             return self.decode.update(keys, values)
         self.decode.sync()
-        self._victim = self._slot = None
+        self.next_victim = self.written_slot = None
         self.token_bytes = (keys.nbytes + values.nbytes) // L
-        self._append(keys, values)
+        self.append(keys, values)
         self.offset += L
-        self._pending = L
-        return self.kv.fetch(self._n)
+        self.pending = L
+        return self.kv.fetch(self.slots_used)
 
     @property
     def pending_tokens(self) -> int:
         """Tokens of the last update whose attention has not run (an
         interrupted forward pass: mlx_h2o.recover_prompt_cache)."""
-        return int(self._pending)
+        return int(self.pending)
 
     def _pending_error(self) -> str:
         from ..integration.routing import is_enabled  # the cache layer never routes
 
         name = f" (model: {self.model_name})" if self.model_name else ""
         if is_enabled():
-            return INTERRUPTED.format(model=name, n=int(self._pending))
+            return INTERRUPTED.format(model=name, n=int(self.pending))
         return NO_SCORES.format(model=name)
 
     def h2o_attention(self, queries, keys, values, *, scale, mask=None, sinks=None):
@@ -124,8 +124,8 @@ class H2OKVCache(SlotCache, _BaseCache):
         L = queries.shape[2]
         if L == 1:
             return self.decode.attend(queries, keys, values, scale, mask, sinks)
-        out, logits, lse = self._attention(queries, keys, values, scale, self._mask(L, mask), sinks)
-        self._fold_ops(logits, lse, L)
+        out, logits, lse = self.attention(queries, keys, values, scale, self.mask_for(L, mask), sinks)
+        self.fold_ops(logits, lse, L)
         # A chunk's (L, N) logits are large: finish this layer before the next
         # builds its own, or every layer's logits stay alive at once (a 2K
         # prompt at B=5 on SmolLM2 peaked at 22 GB).
@@ -170,18 +170,18 @@ class H2OKVCache(SlotCache, _BaseCache):
         cut = self.offset - n
         if self.evicted:
             # Slots are out of token order: regather the rows' best held slots.
-            pos = self.positions[..., : self._n]
+            pos = self.positions[..., : self.slots_used]
             gone = pos >= cut
-            k = self._n - int(gone.sum(axis=-1).max())
-            pri = policy.sinks_first(self._priority(cut)[0], pos, self.config.sink_size)
-            self._gather(policy.select_keep(pri, pos, k, drop=gone))
+            k = self.slots_used - int(gone.sum(axis=-1).max())
+            pri = policy.sinks_first(self.priority(cut)[0], pos, self.config.sink_size)
+            self.gather(policy.select_keep(pri, pos, k, drop=gone))
         else:
-            self._n -= n  # slots are in token order until the first eviction
+            self.slots_used -= n  # slots are in token order until the first eviction
             # Freed slots get fresh scores: queued tokens refill them unzeroed.
-            self.score[..., self._n : self._n + n] = 0.0
-            self.count[..., self._n : self._n + n] = 0.0
+            self.score[..., self.slots_used : self.slots_used + n] = 0.0
+            self.count[..., self.slots_used : self.slots_used + n] = 0.0
         self.offset = cut
-        self.evicted = cut - self._n
+        self.evicted = cut - self.slots_used
         return n
 
     def __deepcopy__(self, memo):
@@ -196,10 +196,10 @@ class H2OKVCache(SlotCache, _BaseCache):
         stack), a decode token whose attention has not run yet (an
         interrupted forward pass); a victim picked ahead is dropped."""
         self.decode.sync()
-        if self._meta_pending:
-            self._write_pending_meta()
+        if self.meta_pending:
+            self.write_pending_meta()
         self.decode.forget()
-        self._victim, self._pending = None, False
+        self.next_victim, self.pending = None, False
 
     def make_mask(self, N: int, window_size=None, return_array: bool = False):
         # Windows are applied from positions in h2o_attention; this describes
@@ -207,7 +207,7 @@ class H2OKVCache(SlotCache, _BaseCache):
         if N == 1:
             return None
         if return_array:
-            return create_causal_mask(N, self._n)
+            return create_causal_mask(N, self.slots_used)
         return "causal"
 
     @property
@@ -217,19 +217,19 @@ class H2OKVCache(SlotCache, _BaseCache):
         still attend (their number is the slots beyond ``offset - evicted``)."""
         if self.positions is None:
             return []
-        n = self.kv.capacity if self._lingering else self._n
+        n = self.kv.capacity if self.lingering else self.slots_used
         meta = (self.positions[..., :n], self.score[..., :n], self.count[..., :n])
         return (*self.kv.state(n), *meta)
 
     @state.setter
     def state(self, v):
         self.decode.forget()
-        self._victim, self._slot, self._meta_pending = None, None, False
-        self._lingering = False
+        self.next_victim, self.written_slot, self.meta_pending = None, None, False
+        self.lingering = False
         if not v:
             self.kv = self.storage_cls()
             self.set_slot_metadata(None, None, None)
-            self._n = 0
+            self.slots_used = 0
             return
         # Own array objects: slot writes update arrays in place (__setitem__),
         # and a state read from another cache may be that cache's buffers.
@@ -244,8 +244,8 @@ class H2OKVCache(SlotCache, _BaseCache):
         if self._positions is None:
             return
         slots, live = self._positions.shape[2], self.offset - self.evicted
-        self._n = live if 0 < live < slots else slots
-        self._lingering = self._n < slots
+        self.slots_used = live if 0 < live < slots else slots
+        self.lingering = self.slots_used < slots
 
     @property
     def meta_state(self):

@@ -171,10 +171,10 @@ class MixedPrecisionH2OKVCache(QuantizedH2OKVCache):
         """The policy's victim leaves; a high-zone victim's slot takes the
         oldest recent token, whose slot takes this one (mixed_evict)."""
         *meta, target = mixed_evict(self.config, self.window_size, self.kv, self.positions,
-                                    self.score, self.count, self._n, keys, values,
+                                    self.score, self.count, self.slots_used, keys, values,
                                     self.offset)
         self.positions, self.score, self.count = meta
-        self._meta_pending = False
+        self.meta_pending = False
         self.evicted += 1
         return target
 

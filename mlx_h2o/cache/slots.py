@@ -56,56 +56,56 @@ class SlotCache:
         self._positions = self._score = self._count = None
         self.offset = 0  # tokens seen
         self.evicted = 0  # tokens evicted per (sequence, KV head)
-        self._n = 0  # slots in use
+        self.slots_used = 0  # slots in use
         # Slots n..capacity hold tokens a batch eviction dropped (evict_batch):
         # deferred decode steps attend them until new tokens overwrite them.
-        self._lingering = False
-        self._slot = None  # (B, Hk, 1[, D]) slot this step's token overwrote
-        self._meta_pending = False  # this step's token has no position / scores yet
-        self._victim = None  # (B, Hk, 1, ·) slot of the next decode token, picked ahead
+        self.lingering = False
+        self.written_slot = None  # (B, Hk, 1[, D]) slot this step's token overwrote
+        self.meta_pending = False  # this step's token has no position / scores yet
+        self.next_victim = None  # (B, Hk, 1, ·) slot of the next decode token, picked ahead
         # The score the last written token(s) start with (policy.written_score:
         # -||k|| for a key-norm mode, else 0.0), until their metadata is written.
-        self._new_score = 0.0
+        self.new_score = 0.0
 
     @property
     def max_size(self) -> int:
         return self.config.max_size
 
     # --- appends ----------------------------------------------------------------
-    def _append(self, keys, values, meta=True):
-        L, n = keys.shape[2], self._n
+    def append(self, keys, values, meta=True):
+        L, n = keys.shape[2], self.slots_used
         need = n + L
         if need > self.kv.capacity:
             self._grow(need, keys, values)
         self.kv.write(n, keys, values)
         self._note_written(keys)
-        self._n = need
-        self._meta_pending = not meta
+        self.slots_used = need
+        self.meta_pending = not meta
         if meta:
             self._write_append_meta(n, L, self.offset)
 
     def _write_append_meta(self, n, L, first):
         self.positions[..., n : n + L] = mx.arange(first, first + L)
-        self.score[..., n : n + L] = self._new_score
+        self.score[..., n : n + L] = self.new_score
         self.count[..., n : n + L] = 0.0
 
     def _note_written(self, keys):
         """Keep the score of the keys just written for their metadata write."""
-        self._new_score = policy.written_score(self.config.score, keys)
+        self.new_score = policy.written_score(self.config.score, keys)
 
-    def _write_pending_meta(self):
+    def write_pending_meta(self):
         """The last decode token's position and scores, when no kernel wrote them."""
-        if self._slot is None:
-            self._write_append_meta(self._n - 1, 1, self.offset - 1)
-            self._meta_pending = False
+        if self.written_slot is None:
+            self._write_append_meta(self.slots_used - 1, 1, self.offset - 1)
+            self.meta_pending = False
         else:
-            self._write_slot_meta(self._slot)
+            self._write_slot_meta(self.written_slot)
 
     def _grow(self, need, keys, values):
-        step, cap, n = self.config.step, self.max_size, self._n
+        step, cap, n = self.config.step, self.max_size, self.slots_used
         # Grow in steps up to max_size; a chunk past the budget gets exact room.
         size = min(-(-need // step) * step, cap) if need <= cap else need
-        self._lingering = False
+        self.lingering = False
         self.kv.resize(n, size, keys, values)
         shape = (*keys.shape[:2], size)
         self.positions = resize_slots(self.positions, n, shape, mx.int32)
@@ -113,16 +113,16 @@ class SlotCache:
         self.count = resize_slots(self.count, n, shape, mx.float32)
 
     # --- victims ----------------------------------------------------------------
-    def _priority(self, offset):
-        n = self._n
+    def priority(self, offset):
+        n = self.slots_used
         pos = self.positions[..., :n]
         score, count = self.score[..., :n], self.count[..., :n]
         pri = policy.slot_priority(self.config, pos, score, count, offset, self.window_size)
         return pri, pos
 
-    def _write_into_victim(self, keys, values):
+    def write_into_victim(self, keys, values):
         """The policy's victim takes this decode token: its slot (B, Hk, 1)."""
-        pri, pos = self._priority(self.offset + 1)
+        pri, pos = self.priority(self.offset + 1)
         # int32: a fused step may read it next (argmin gives uint32).
         slot = policy.select_victim(pri, pos).astype(mx.int32)[..., None]  # (B, Hk, 1)
         self.kv.write_slot(slot, keys, values)
@@ -131,53 +131,53 @@ class SlotCache:
         self.evicted += 1
         return slot
 
-    def _into_victim(self) -> bool:
+    def into_victim(self) -> bool:
         """Whether this decode token goes straight into the victim the last
         step picked ahead: the full cache's steady state (a cache past its
         budget compacts first; after a trim or a batch eviction none is held)."""
-        return self._victim is not None and self._n == self.max_size
+        return self.next_victim is not None and self.slots_used == self.max_size
 
-    def _write_picked_victim(self, keys, values, for_sdpa=False):
+    def write_picked_victim(self, keys, values, for_sdpa=False):
         """This decode token into the victim the last step picked ahead
         (``_victim``), its metadata left to the step's kernel or fold."""
-        victim = self._victim
+        victim = self.next_victim
         self.kv.write_index(victim, keys, values, for_sdpa=for_sdpa)
         self._note_written(keys)
-        self._slot, self._victim = victim, None
-        self._meta_pending = True
+        self.written_slot, self.next_victim = victim, None
+        self.meta_pending = True
         self.evicted += 1
 
     def _write_slot_meta(self, slot, position=None):
         """Position of the token written into ``slot``, with fresh scores."""
         position = self.offset - 1 if position is None else position
         self.positions, self.score, self.count = fresh_slot(
-            self.positions, self.score, self.count, slot, position, self._new_score)
-        self._meta_pending = False
+            self.positions, self.score, self.count, slot, position, self.new_score)
+        self.meta_pending = False
 
     # --- compaction -------------------------------------------------------------
-    def _compact_past_budget(self):
+    def compact_past_budget(self):
         """A prompt left past the budget (``prefill_compact="prompt"``) is
         compacted by the first decode step."""
-        if self._n > self.max_size:
+        if self.slots_used > self.max_size:
             self._compact()
 
     def _compact(self):
-        pri, pos = self._priority(self.offset)
-        self.evicted += self._n - self.max_size
-        self._gather(policy.select_keep(pri, pos, self.max_size))
+        pri, pos = self.priority(self.offset)
+        self.evicted += self.slots_used - self.max_size
+        self.gather(policy.select_keep(pri, pos, self.max_size))
 
-    def _gather(self, slots):
+    def gather(self, slots):
         """Keep only ``slots`` (B, Hk, k), in that order."""
-        self._victim, self._lingering = None, False
-        n = self._n
+        self.next_victim, self.lingering = None, False
+        n = self.slots_used
         self.kv.gather(slots, n)
         self.positions = take_slots(self.positions, slots, n)
         self.score = take_slots(self.score, slots, n)
         self.count = take_slots(self.count, slots, n)
-        self._n = slots.shape[-1]
+        self.slots_used = slots.shape[-1]
 
     # --- scores -----------------------------------------------------------------
-    def _attention(self, queries, keys, values, scale, mask, sinks):
+    def attention(self, queries, keys, values, scale, mask, sinks):
         """(out, logits, lse); logits / lse of the rows that will be folded only."""
         W = self.config.prefill_window
         if not self._scored_by_window(queries.shape[2]):
@@ -200,7 +200,7 @@ class SlotCache:
     def _scored_by_window(self, L) -> bool:
         """A chunk that overflows is scored by its last ``prefill_window``
         queries (``policy.scored_by_window``; dense or quantized storage)."""
-        return policy.scored_by_window(self.config, L, self._n > self.max_size,
+        return policy.scored_by_window(self.config, L, self.slots_used > self.max_size,
                                        self.window_size)
 
     @property
@@ -209,11 +209,11 @@ class SlotCache:
         window's queries lead to expect (scores.ScoreMode.prefill)."""
         return score_mode(self.config.score).prefill == "expected"
 
-    def _fold_ops(self, logits, lse, L):
+    def fold_ops(self, logits, lse, L):
         """Fold this step's scores op by op, then compact a chunk that overflowed.
 
         ``L``: the call's query count (``logits`` may hold only its window)."""
-        n, cfg = self._n, self.config
+        n, cfg = self.slots_used, self.config
         # Only a chunk that overflows the budget is scored by its window (SnapKV).
         over = n > self.max_size
         score, count = self.score[..., :n], self.count[..., :n]
@@ -229,19 +229,19 @@ class SlotCache:
         )
         self.score[..., :n] = score
         self.count[..., :n] = count
-        self._pending = False
+        self.pending = False
         if over and cfg.prefill_compact == "chunk":
             self._compact()  # "prompt" waits for the first decode step
 
     # --- masks ------------------------------------------------------------------
-    def _mask(self, L, mask):
+    def mask_for(self, L, mask):
         return policy.combine_masks(self._position_mask(L), mask)
 
     def _position_mask(self, L):
         if self.window_size is None or (L == 1 and self.offset <= self.window_size):
             return None if L == 1 else "causal"
         qpos = mx.arange(self.offset - L, self.offset)[None]  # (1, L)
-        return policy.position_mask(self.positions[..., : self._n], qpos, self.window_size)
+        return policy.position_mask(self.positions[..., : self.slots_used], qpos, self.window_size)
 
     # --- what decode steps share --------------------------------------------------
     def slot_metadata(self):
@@ -253,9 +253,9 @@ class SlotCache:
         self._positions, self._score, self._count = positions, score, count
 
     def size(self) -> int:
-        return self._n
+        return self.slots_used
 
-    def _with_metadata(self, out):
+    def with_metadata(self, out):
         """``out``, evaluated together with the metadata a decode step updated.
         Nothing else reads it until a decision does; left lazy, each update's
         graph held that step's K buffer or logits (an H100 decode at 16K

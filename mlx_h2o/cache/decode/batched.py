@@ -22,26 +22,27 @@ class BatchedEviction(Wrapper):
 
     def update(self, keys, values):
         c = self.cache
-        c._compact_past_budget()
-        if c._n >= c.max_size:
+        c.compact_past_budget()
+        if c.slots_used >= c.max_size:
             self.evict()  # room for the next evict_batch decode tokens
         return self.inner.update(keys, values)
 
     def evict(self):
         c = self.cache
-        n = c._n
+        n = c.slots_used
         keep = n - c.config.evict_batch
         if c.kv.plain and c.window_size is None and n == c.kv.capacity:
             self.event(keep)  # one pass (cache/batch.py)
         else:
             # As the per-step victim choice; reading the metadata folds the queue.
-            pri, pos = c._priority(c.offset + 1)
-            c._gather(policy.keep_then_evict(pri, pos, keep))
-            c._score[..., keep:] = 0.0  # appended tokens start unscored
-            c._count[..., keep:] = 0.0
-        c._n = keep
+            pri, pos = c.priority(c.offset + 1)
+            c.gather(policy.keep_then_evict(pri, pos, keep))
+            _, score, count = c.slot_metadata()
+            score[..., keep:] = 0.0  # appended tokens start unscored
+            count[..., keep:] = 0.0
+        c.slots_used = keep
         c.evicted += n - keep
-        c._lingering = self.deferred is not None and n == c.kv.capacity
+        c.lingering = self.deferred is not None and n == c.kv.capacity
         if self.deferred is not None:
             self.deferred.event_lazy = True
 
@@ -54,4 +55,4 @@ class BatchedEviction(Wrapper):
             n0=items[0].n if items else 0, scale=items[0].scale if items else 1.0,
             keep=keep, config=c.config)
         c.set_slot_metadata(*meta)
-        c._victim = None
+        c.next_victim = None

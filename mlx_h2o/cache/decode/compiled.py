@@ -22,7 +22,7 @@ class CompiledStep(ReferenceStep):
     def attend(self, queries, keys, values, scale, mask, sinks):
         c = self.cache
         if self.compiles(mask, sinks):
-            if c._slot is not None and c._n == c.kv.capacity:
+            if c.written_slot is not None and c.slots_used == c.kv.capacity:
                 return self.evict_attend(queries, keys, values, scale)
             if self.fills():
                 return self.fill(queries, scale)
@@ -34,7 +34,7 @@ class CompiledStep(ReferenceStep):
         c = self.cache
         return (mask is None and sinks is None and mx.default_device() == mx.cpu
                 and self.attends() is not None
-                and c.kv.capacity == c._positions.shape[2])
+                and c.kv.capacity == c.slot_metadata()[0].shape[2])
 
     def attends(self):
         """What the compiled calls attend: the storage's group kind
@@ -44,8 +44,8 @@ class CompiledStep(ReferenceStep):
     def fills(self) -> bool:
         """The token was appended with its metadata; it folds now."""
         c = self.cache
-        return (c._slot is None and not c._meta_pending and not c._lingering
-                and c._n <= c.max_size)
+        return (c.written_slot is None and not c.meta_pending and not c.lingering
+                and c.slots_used <= c.max_size)
 
     def evict_attend(self, queries, keys, values, scale):
         """The evicting step in one compiled call; it picks the next token's
@@ -56,21 +56,21 @@ class CompiledStep(ReferenceStep):
             keys, values = c.kv.triples(keys, values)
         step = compiled_step(cfg, float(scale), c.window_size, kind)
         out, *state = step(
-            queries, keys, values, *c.slot_metadata(), c._slot,
+            queries, keys, values, *c.slot_metadata(), c.written_slot,
             mx.array(c.offset, mx.int32), *zone_arrays(cfg.sink_size, cfg.recent_budget),
-            written_input(c._new_score))
+            written_input(c.new_score))
         self.take(H2OFold(*state))
-        return c._with_metadata(out)
+        return c.with_metadata(out)
 
     def fill(self, queries, scale):
         c = self.cache
         fill = compiled_fill(c.config, float(scale), c.window_size, self.attends())
         keys, values = self.fill_inputs()
         out, score, count = fill(queries, keys, values, *c.slot_metadata(),
-                                 mx.array(c._n, mx.int32), mx.array(c.offset, mx.int32))
-        c.set_slot_metadata(c._positions, score, count)
-        c._pending = False
-        return c._with_metadata(out)
+                                 mx.array(c.slots_used, mx.int32), mx.array(c.offset, mx.int32))
+        c.set_slot_metadata(c.slot_metadata()[0], score, count)
+        c.pending = False
+        return c.with_metadata(out)
 
     def fill_inputs(self):
         """K / V as the compiled fill reads them: the whole buffers."""
@@ -84,15 +84,15 @@ class MixedCompiledStep(CompiledStep):
 
     def place(self, keys, values):
         c = self.cache
-        if c._n == c.max_size and self.evicts_compiled():
-            c._slot, c._victim = self.evict(keys, values), None
+        if c.slots_used == c.max_size and self.evicts_compiled():
+            c.written_slot, c.next_victim = self.evict(keys, values), None
         else:
             super().place(keys, values)
 
     def evicts_compiled(self) -> bool:
         c = self.cache
         return (mx.default_device() == mx.cpu
-                and c._n == c.kv.capacity == c._positions.shape[2])
+                and c.slots_used == c.kv.capacity == c.slot_metadata()[0].shape[2])
 
     def evict(self, keys, values):
         from ..quantized import compiled_mixed_evict  # it imports the cache classes
@@ -108,24 +108,24 @@ class MixedCompiledStep(CompiledStep):
             tuple(out[i : i + 3]) for i in (0, 3, 6, 9))
         *meta, target = out[12:]
         c.set_slot_metadata(*meta)
-        c._meta_pending = False
+        c.meta_pending = False
         c.evicted += 1
         return target
 
     def attends(self):
         c = self.cache
-        return ("quantized", c.kv.segment_bits(c._n), c.kv.hi.group_size)
+        return ("quantized", c.kv.segment_bits(c.slots_used), c.kv.hi.group_size)
 
     def compiles(self, mask, sinks) -> bool:
         # The eviction itself runs in place(): a full cache's step is a fill.
-        return super().compiles(mask, sinks) and not self.cache._meta_pending
+        return super().compiles(mask, sinks) and not self.cache.meta_pending
 
     def evict_attend(self, queries, keys, values, scale):
         return self.fill(queries, scale)
 
     def fills(self) -> bool:
         c = self.cache
-        return c._n == c.kv.capacity
+        return c.slots_used == c.kv.capacity
 
     def fill_inputs(self):
-        return self.cache.kv.fetch(self.cache._n)  # both zones' triples (n == capacity)
+        return self.cache.kv.fetch(self.cache.slots_used)  # both zones' triples (n == capacity)

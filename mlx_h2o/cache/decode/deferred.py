@@ -36,27 +36,27 @@ class DeferredFill(Wrapper):
 
     def update(self, keys, values):
         c = self.cache
-        if not (c._n < c.max_size or (c._lingering and c._n < c.kv.capacity)):
+        if not (c.slots_used < c.max_size or (c.lingering and c.slots_used < c.kv.capacity)):
             return self.inner.update(keys, values)
         c.token_bytes = keys.nbytes + values.nbytes
-        c._slot = c._victim = None
-        c._append(keys, values, meta=False)
+        c.written_slot = c.next_victim = None
+        c.append(keys, values, meta=False)
         c.offset += 1
-        c._pending = 1
+        c.pending = 1
         self.lazy = True
         # After a batch eviction the whole buffer, as RotatingKVCache returns
         # it (no slice nodes): the evicted slots not yet overwritten too.
-        return c.kv.fetch(c.kv.capacity if c._lingering else c._n)
+        return c.kv.fetch(c.kv.capacity if c.lingering else c.slots_used)
 
     def attend(self, queries, keys, values, scale, mask, sinks):
         lazy, self.lazy = self.lazy, False
         if lazy and mask is None and sinks is None:
             return self.queue_attend(queries, keys, values, scale)
         c = self.cache
-        if c._lingering and keys.shape[2] > c._n:  # only unmasked steps see them
-            keys, values = keys[..., : c._n, :], values[..., : c._n, :]
-            if isinstance(mask, mx.array) and mask.shape[-1] > c._n:
-                mask = mask[..., : c._n]
+        if c.lingering and keys.shape[2] > c.slots_used:  # only unmasked steps see them
+            keys, values = keys[..., : c.slots_used, :], values[..., : c.slots_used, :]
+            if isinstance(mask, mx.array) and mask.shape[-1] > c.slots_used:
+                mask = mask[..., : c.slots_used]
         if self.queue.items:
             self.fold()
         return self.inner.attend(queries, keys, values, scale, mask, sinks)
@@ -78,16 +78,16 @@ class DeferredFill(Wrapper):
             self.kernel = (first_use.passed(QUEUE_FOLD)
                            and queue_fold_supported(  # the kernel takes a full queue
                                queries, keys, queued=self.queue.steps))
-            self.queue.start(queries, c._n, None if self.kernel else self.width(c._n))
-        due = self.queue.push(queries, c._n, c.offset - 1, scale)
-        c._meta_pending = c._pending = False  # the queue owns them now
+            self.queue.start(queries, c.slots_used, None if self.kernel else self.width(c.slots_used))
+        due = self.queue.push(queries, c.slots_used, c.offset - 1, scale)
+        c.meta_pending = c.pending = False  # the queue owns them now
         if due:
             self.fold()
         if due or self.event_lazy:
             # A batch event's metadata held its queue and K buffer; each event
             # left lazy chained onto the last (memory grew every event).
             self.event_lazy = False
-            out = c._with_metadata(out)
+            out = c.with_metadata(out)
         return out
 
     def fold(self):
@@ -136,5 +136,5 @@ class DeferredFill(Wrapper):
         tok/s against 0.792 with folds of exactly ``n``; docs/DESIGN.md)."""
         c = self.cache
         # After a prompt compaction the metadata can be shorter than the buffer.
-        cap = min(c.kv.capacity, c._score.shape[-1])
+        cap = min(c.kv.capacity, c.slot_metadata()[1].shape[-1])
         return min(cap, -(-n // c.config.step) * c.config.step)

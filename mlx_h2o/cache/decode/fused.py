@@ -80,10 +80,10 @@ class FusedStep(ReferenceStep):
         # Unmasked: support and plan depend on the device and shapes only (the
         # buffers' capacity included): decided once per signature.
         key = (mx.default_device(), queries.shape, queries.dtype, keys.dtype, values.dtype,
-               values.shape[3], c._positions.shape, scale,
+               values.shape[3], c.slot_metadata()[0].shape, scale,
                None if sinks is None else sinks.shape)
         if key != self.plan_key:
-            ok = h2o_step_supported(queries, keys, values, c._positions, None, sinks)
+            ok = h2o_step_supported(queries, keys, values, c.slot_metadata()[0], None, sinks)
             self.plan = self.make_plan(queries, keys, scale, None, sinks) if ok else None
             self.plan_key = key
         return self.plan
@@ -99,7 +99,7 @@ class FusedStep(ReferenceStep):
 
     def fused(self, plan, queries, keys, values, scale, mask, sinks):
         c = self.cache
-        slot, n = c._slot, c._n
+        slot, n = c.written_slot, c.slots_used
         if mask is None:
             # Whole buffers + a valid count: shapes only change when the buffers
             # grow, so the plan's compiled launch replays on every other step.
@@ -137,7 +137,7 @@ class FusedStep(ReferenceStep):
     # --- the fold launch ----------------------------------------------------------
     def fold_launch(self, out, logits, lse):
         c = self.cache
-        cfg, slot, n = c.config, c._slot, c._n
+        cfg, slot, n = c.config, c.written_slot, c.slots_used
         positions, score, count = c.positions, c.score, c.count
 
         def launch():
@@ -160,4 +160,4 @@ class FusedStep(ReferenceStep):
         else:
             res = launch()
         self.take(res)
-        return c._with_metadata(out)
+        return c.with_metadata(out)

@@ -19,17 +19,17 @@ class GroupedStep(Wrapper):
         group.add(self)
 
     def update(self, keys, values):
-        if self.cache._victim is None and self.group.waits_for(self):
+        if self.cache.next_victim is None and self.group.waits_for(self):
             self.group.flush()  # a new token: last token's folds, every member's victim
         return self.inner.update(keys, values)  # (decode_step: sdpa_victims)
 
     def attend(self, queries, keys, values, scale, mask, sinks):
         c = self.cache
-        if (c._slot is not None and mask is None and sinks is None and c._n == c.max_size
+        if (c.written_slot is not None and mask is None and sinks is None and c.slots_used == c.max_size
                 and self.group.takes(self, queries)):
             out = c.kv.sdpa(queries, keys, values, scale=scale)
-            slot, self.scale = c._slot, scale
-            c._slot, c._meta_pending, c._pending = None, False, False
+            slot, self.scale = c.written_slot, scale
+            c.written_slot, c.meta_pending, c.pending = None, False, False
             return self.group.push(self, queries, slot, out)
         self.sync()
         return self.inner.attend(queries, keys, values, scale, mask, sinks)
@@ -46,4 +46,4 @@ class GroupedStep(Wrapper):
 
     def take_victim(self, victim) -> None:
         """The group picked where this member's next token goes."""
-        self.cache._victim = victim
+        self.cache.next_victim = victim

@@ -24,38 +24,38 @@ class ReferenceStep(DecodeStep):
     def update(self, keys, values):
         c = self.cache
         c.token_bytes = keys.nbytes + values.nbytes
-        if c._into_victim():  # the evicting steady state
-            c._write_picked_victim(keys, values, for_sdpa=self.sdpa_victims)
+        if c.into_victim():  # the evicting steady state
+            c.write_picked_victim(keys, values, for_sdpa=self.sdpa_victims)
         else:
             self.place(keys, values)
         c.offset += 1
-        c._pending = 1
-        return c.kv.fetch(c._n)
+        c.pending = 1
+        return c.kv.fetch(c.slots_used)
 
     def place(self, keys, values):
         """The token into a slot: the policy's victim of a full cache, else a new one."""
         c = self.cache
-        c._slot = c._victim = None
-        c._compact_past_budget()
-        if c._n >= c.max_size:
-            c._slot = c._write_into_victim(keys, values)
+        c.written_slot = c.next_victim = None
+        c.compact_past_budget()
+        if c.slots_used >= c.max_size:
+            c.written_slot = c.write_into_victim(keys, values)
         else:
-            c._append(keys, values, meta=not self.kernel_writes_meta)
+            c.append(keys, values, meta=not self.kernel_writes_meta)
 
     def attend(self, queries, keys, values, scale, mask, sinks):
         c = self.cache
-        if c._meta_pending and c.window_size is not None:
-            c._write_pending_meta()  # the window mask reads the new token's position
-        out, logits, lse = c._attention(queries, keys, values, scale, c._mask(1, mask), sinks)
+        if c.meta_pending and c.window_size is not None:
+            c.write_pending_meta()  # the window mask reads the new token's position
+        out, logits, lse = c.attention(queries, keys, values, scale, c.mask_for(1, mask), sinks)
         return self.fold(out, logits, lse)
 
     def fold(self, out, logits, lse):
         """This step's logits folded into the slots' scores, op by op."""
         c = self.cache
-        if c._meta_pending:
-            c._write_pending_meta()
-        c._fold_ops(logits, lse, 1)
-        return c._with_metadata(out)
+        if c.meta_pending:
+            c.write_pending_meta()
+        c.fold_ops(logits, lse, 1)
+        return c.with_metadata(out)
 
     def take(self, res) -> None:
         """A kernel's or compiled call's results (H2OStep / H2OFold): the
@@ -63,5 +63,5 @@ class ReferenceStep(DecodeStep):
         the cache is full."""
         c = self.cache
         c.set_slot_metadata(res.positions, res.score, res.count)
-        c._victim = res.victim if c._n >= c.max_size else None
-        c._slot, c._meta_pending, c._pending = None, False, False
+        c.next_victim = res.victim if c.slots_used >= c.max_size else None
+        c.written_slot, c.meta_pending, c.pending = None, False, False
