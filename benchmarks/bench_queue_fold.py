@@ -7,7 +7,7 @@ H2O below its budget queues decode queries and folds their scores later, in
 one go. Per (N keys, queued queries): ms per fold of ``queue_fold``
 (kernels/queued.py, three launches; needs MLX with CUDA or Metal, exit 2
 otherwise) and of the ops fold the cache uses where the kernel does not run
-(``deferred.batch_fold`` plus the score update), each the median over
+(``deferred.fold_queue`` plus the score update), each the median over
 ``--reps`` timed evaluations, and the kernel's FP32 throughput (2 passes x
 rows x N x D multiply-adds). B=1, bfloat16 queries and K. Ends with a JSON line.
 """
@@ -23,7 +23,7 @@ import mlx.core as mx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from mlx_h2o.cache.score_queue import QueuedQuery, batch_fold  # noqa: E402
+from mlx_h2o.cache.score_queue import QueuedQuery, fold_queue  # noqa: E402
 from mlx_h2o.kernels.queued import queue_fold, queue_fold_supported  # noqa: E402
 
 
@@ -51,7 +51,7 @@ def case(N, T, Hq, Hk, D, reps):
         return queue_fold(q, k, visible, D ** -0.5, score, count)
 
     def ops():
-        step, seen = batch_fold(items, k[..., :N, :])
+        step, seen = fold_queue(items, k[..., :N, :])
         return score[..., :N] + step, count[..., :N] + seen
 
     ms, ms_o = timed(kernel, reps), timed(ops, reps)

@@ -15,11 +15,14 @@ import mlx_h2o
 from mlx_h2o import H2OConfig, make_h2o_cache
 from mlx_h2o.cache import batch_slots as bs
 from mlx_h2o.cache.batch_cache import BatchH2OKVCache
+from mlx_h2o.kernels import runs_on_gpu
 from test_batch_cache import (batch_decode, batch_prefill, check_invariants, held,
                               random_prompts, rows_held)
 from tiny_models import BUILDERS
 
-pytestmark = pytest.mark.usefixtures("on_cpu")
+# On the default device: on a GPU the batch's paths run there, and the
+# single caches they are compared with take the fused kernels too.
+KINDS = ["reference", "compiled"] + (["fused"] if runs_on_gpu() else [])
 
 CONFIGS = {
     "window": H2OConfig(max_size=12, sink_size=2, heavy_budget=6, prefill_window=4,
@@ -69,7 +72,7 @@ CASES = [(a, n) for a in ("llama", "gemma3_text") for n in sorted(CONFIGS)
          if (a, n) != ("gemma3_text", "key_norm")]
 
 
-@pytest.mark.parametrize("kind", ["reference", "compiled"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("arch,name", CASES)
 def test_rows_keep_and_score_what_single_caches_do(arch, name, kind):
     """Rows of different fill levels (one within the budget, one a token per
@@ -105,7 +108,7 @@ def test_rows_joining_and_leaving_keep_their_tokens_while_decoding():
     batch_decode(model, batch, [decode[0][3:], decode[2][3:], later + later[:2]])
     check_invariants(batch)
     for b, (p, d) in enumerate([(prompts[0], decode[0]), (prompts[2], decode[2])]):
-        want = single_run(model, config, p, 9, d, "compiled")
+        want = single_run(model, config, p, 9, d, "auto")
         assert rows_held(batch, 3)[b] == held(want)
 
 

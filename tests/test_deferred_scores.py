@@ -13,7 +13,7 @@ import pytest
 import mlx_h2o
 import mlx_h2o.cache.score_queue as deferred
 from mlx_h2o import H2OConfig, H2OKVCache, make_h2o_cache, policy
-from mlx_h2o.cache.score_queue import ScoreQueue, batch_fold, batch_logits
+from mlx_h2o.cache.score_queue import ScoreQueue, fold_queue, batch_logits
 from mlx_h2o.kernels.reference import scaled_dot_product_attention_with_scores
 from mlx_h2o.scores import DEFERRABLE, SCORE_MODES
 from tiny_models import tiny_llama
@@ -197,10 +197,10 @@ def test_batch_logits_match_the_reference_per_step():
         ss, cs = policy.fold_scores("accumulated", ss, cs, logits[:, :, t:t + 1], lse[:, :, t:t + 1])
     np.testing.assert_allclose(np.array(sb), np.array(ss), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.array(cb), np.array(cs))
-    # batch_fold: the same sums without the (B, n_heads, T, n) probabilities kept.
+    # fold_queue: the same sums without the (B, n_heads, T, n) probabilities kept.
     for t, q in enumerate(qs):
         queue.push(q, n0 + t + 1, n0 + t, 0.3)
-    step, seen = batch_fold(queue.take(), keys)
+    step, seen = fold_queue(queue.take(), keys)
     np.testing.assert_allclose(np.array(step), np.array(ss), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.array(z + seen), np.array(cs))
 

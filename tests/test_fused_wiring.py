@@ -122,8 +122,11 @@ def test_fused_path_matches_op_by_op_path(emulated_kernel, mode, window, trim_at
     fused, plain = H2OKVCache(cfg, window), H2OKVCache(cfg, window)
     # per-step op-by-op reference
     plain.set_decode("reference", defer=0)
+    # Logits reach ~20 (keys x 3, scale 1): float32 exponents carry a relative
+    # error of ~20 * 2**-23 = 2.4e-6 into the weights, whatever the sum order
+    # (OpenBLAS's GEMM and the op-by-op path round differently).
     for a, b in zip(drive(fused, lengths, 0, trim_at), drive(plain, lengths, 0, trim_at)):
-        np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-6)
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-6)
     assert (fused.offset, fused.evicted, fused.size()) == (plain.offset, plain.evicted, plain.size())
     for x, y in zip(fused.state, plain.state):
         np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-6)

@@ -17,7 +17,7 @@ from mlx_h2o.cache import (
     QuantizedH2OKVCache,
     ops_step,
 )
-from mlx_h2o.cache import quantized as quantized_module
+from mlx_h2o.cache.decode import compiled as compiled_module
 from mlx_h2o.scores import SCORE_MODES
 
 # On a GPU machine the op-by-op side would take the fused kernel step (which
@@ -105,13 +105,13 @@ def test_compiled_mixed_steps_equal_op_by_op(monkeypatch, mode, window):
     calls = {"fill": 0, "evict": 0}
     fill = caches[0].decode.fill
     caches[0].decode.fill = lambda *a: calls.update(fill=calls["fill"] + 1) or fill(*a)
-    evict = quantized_module.compiled_mixed_evict
+    evict = compiled_module.compiled_mixed_evict
 
     def counting(*a):
         calls["evict"] += 1
         return evict(*a)
 
-    monkeypatch.setattr(quantized_module, "compiled_mixed_evict", counting)
+    monkeypatch.setattr(compiled_module, "compiled_mixed_evict", counting)
     same_over_stream(caches, seed=6, dim=64)
     assert calls["fill"] >= 50 and calls["evict"] >= 50 and caches[0].evicted > 50
 

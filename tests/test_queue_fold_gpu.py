@@ -17,7 +17,7 @@ import pytest
 
 from mlx_h2o import H2OConfig, H2OKVCache
 import mlx_h2o.cache.decode.deferred as deferred_step
-from mlx_h2o.cache.score_queue import QueuedQuery, batch_fold
+from mlx_h2o.cache.score_queue import QueuedQuery, fold_queue
 from mlx_h2o.kernels import backend, queued, source
 from mlx_h2o.kernels.queued import queue_fold, queue_fold_supported
 from kernel_refs import queue_fold_ref64, to_np
@@ -64,7 +64,7 @@ def test_reference_equals_the_ops_fold():
     visible = [40, 41, 42, 17]
     q, k, score, count = case(rng, mx.float32, 2, 8, 2, 16, 45, 44, visible)
     items = [QueuedQuery(q[:, :, t:t + 1], v, 0, 0.4) for t, v in enumerate(visible)]
-    step, seen = batch_fold(items, k[..., :44, :])
+    step, seen = fold_queue(items, k[..., :44, :])
     want_s, want_c = queue_fold_ref64(to_np(q), to_np(k), visible, 0.4, to_np(score),
                                       to_np(count))
     np.testing.assert_allclose(np.array(score + step), want_s, rtol=1e-5, atol=1e-6)
@@ -101,7 +101,7 @@ def test_queue_fold_any_visible_counts(tile):
     np.testing.assert_array_equal(np.array(got_c), want_c)
     np.testing.assert_allclose(np.array(got_s), want_s, rtol=2e-5, atol=2e-5)
     items = [QueuedQuery(q[:, :, t:t + 1], v, 0, 0.5) for t, v in enumerate(visible)]
-    step, seen = batch_fold(items, k)  # the ops fold the cache falls back to
+    step, seen = fold_queue(items, k)  # the ops fold the cache falls back to
     np.testing.assert_allclose(np.array(score + step), np.array(got_s), rtol=2e-5, atol=2e-5)
     np.testing.assert_array_equal(np.array(count + seen), np.array(got_c))
 

@@ -97,7 +97,7 @@ def counting(monkeypatch):
             taken.append(self)
         return takes
 
-    monkeypatch.setattr(H2OKVCache, "_into_victim", counted)
+    monkeypatch.setattr(H2OKVCache, "into_victim", counted)
     return taken
 
 
@@ -111,7 +111,7 @@ def test_fast_path_changes_nothing(kind, mode, monkeypatch):
     n_fast = len(taken)
     assert n_fast > 100  # the steady state really took it
 
-    monkeypatch.setattr(H2OKVCache, "_into_victim", lambda self: False)
+    monkeypatch.setattr(H2OKVCache, "into_victim", lambda self: False)
     without = make(configs(mode))
     b = play(without, 3, d)
     assert len(taken) == n_fast and len(a) == len(b)  # off means off
@@ -151,7 +151,7 @@ def test_fast_path_declines_where_the_general_path_does_more(case, monkeypatch):
     runs = []
     for fast in (True, False):
         if not fast:
-            monkeypatch.setattr(H2OKVCache, "_into_victim", lambda self: False)
+            monkeypatch.setattr(H2OKVCache, "into_victim", lambda self: False)
         caches = per_layer(cfgs)
         play(caches, 4, D, script)
         rng = np.random.default_rng(7)

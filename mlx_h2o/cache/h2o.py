@@ -4,6 +4,7 @@ import json
 from typing import Optional
 
 import mlx.core as mx
+import mlx_lm.models.base as mlx_base
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
@@ -38,7 +39,7 @@ class H2OKVCache(SlotCache, _BaseCache):
     once to ``max_size``. A decode token (L == 1) goes through ``decode``,
     the decode step chosen when the cache is made (cache/decode/): the
     op-by-op reference, one compiled CPU call, or fused GPU kernels, with
-    the score queue below the budget, batched eviction or a group fold
+    the score queue below the budget, bulk eviction or a group fold
     around it. ``offset`` counts every token seen (it drives RoPE), never
     the slots used.
 
@@ -112,10 +113,9 @@ class H2OKVCache(SlotCache, _BaseCache):
         return int(self.pending)
 
     def _pending_error(self) -> str:
-        from ..integration.routing import is_enabled  # the cache layer never routes
-
         name = f" (model: {self.model_name})" if self.model_name else ""
-        if is_enabled():
+        # Routing (mlx_h2o.patch) swaps mlx-lm's function; the cache never routes.
+        if mlx_base.scaled_dot_product_attention.__module__ != mlx_base.__name__:
             return INTERRUPTED.format(model=name, n=int(self.pending))
         return NO_SCORES.format(model=name)
 
@@ -213,7 +213,7 @@ class H2OKVCache(SlotCache, _BaseCache):
     @property
     def state(self):
         """Storage arrays, then (positions, score, count), of the slots in use;
-        between two batch evictions also the evicted slots that decode steps
+        between two bulk evictions also the evicted slots that decode steps
         still attend (their number is the slots beyond ``offset - evicted``)."""
         if self.positions is None:
             return []

@@ -7,10 +7,14 @@ low zone to the high zone is *widened* exactly: codes times
 it represents the same values it was written with.
 """
 
+from functools import lru_cache
+
 import mlx.core as mx
 
+from .. import policy
 from ..kernels.quantized_reference import dequantize_segments
 from .quantized_storage import QuantizedKV, Triple, attend, convert
+from .storage import fresh_slot, put_slot, take_slots
 
 
 class MixedKV:
@@ -181,3 +185,44 @@ class MixedKV:
 
 def _select(cond: mx.array, a: Triple, b: Triple) -> Triple:
     return tuple(mx.where(cond, x, y) for x, y in zip(a, b))
+
+
+def mixed_evict(config, window_size, kv, positions, score, count, n, keys, values, offset,
+                zones=None, split=None):
+    """A full mixed-precision cache's eviction for the token at ``offset``:
+    the policy's victim; a high-zone victim's slot takes the oldest recent
+    token (widened, ``MixedKV.promote``); the new token goes into the freed
+    recent slot with fresh metadata. Writes ``kv``'s arrays; returns
+    (positions, score, count, target slot (B, Hk, 1)). ``offset``, ``zones``
+    and ``split`` (``kv.split``) may be int32 scalar arrays
+    (``compiled_mixed_evict``)."""
+    pos = positions[..., :n]
+    pri = policy.slot_priority(config, pos, score[..., :n], count[..., :n], offset + 1,
+                               window_size, zones)
+    victim = policy.select_victim(pri, pos)[..., None]  # (B, Hk, 1)
+    target = kv.promote(victim, pos, split)
+    # The oldest recent token's metadata moves with it; its slot starts afresh.
+    moved = (put_slot(a, victim, take_slots(a, target, n)) for a in (positions, score, count))
+    meta = fresh_slot(*moved, target, offset, policy.written_score(config.score, keys))
+    kv.write_slot(target, keys, values, split)
+    return (*meta, target)
+
+
+@lru_cache(maxsize=64)
+def compiled_mixed_evict(config, window_size, hi_bits, lo_bits, group_size, split):
+    """``mixed_evict`` through mx.compile (its elementwise ops fuse; its
+    scatters and gathers stay): (hi K, hi V, lo K, lo V triples, positions,
+    score, count, keys, values, offset, sink, recent, split) -> the 12 zone
+    arrays, positions, score, count, target. The int32 scalar inputs keep
+    every token and layer size on one build of the CPU code."""
+
+    def step(hi_k, hi_v, lo_k, lo_v, positions, score, count, keys, values, offset, sink,
+             recent, split_array):
+        kv = MixedKV(hi_bits, lo_bits, group_size, split)
+        kv.hi.keys, kv.hi.values, kv.lo.keys, kv.lo.values = hi_k, hi_v, lo_k, lo_v
+        *meta, target = mixed_evict(config, window_size, kv, positions, score, count,
+                                    positions.shape[2], keys, values, offset, (sink, recent),
+                                    split_array)
+        return (*kv.hi.keys, *kv.hi.values, *kv.lo.keys, *kv.lo.values, *meta, target)
+
+    return mx.compile(step)

@@ -15,14 +15,12 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .. import policy
 from ..config import H2OConfig, check_int, config_from_dict
 from ..kernels.quantized_reference import BITS, check_quantization
 from .h2o import H2OKVCache
 from .io import register_cache_class
-from .mixed_storage import MixedKV
+from .mixed_storage import MixedKV, mixed_evict
 from .quantized_storage import QuantizedKV
-from .storage import fresh_slot, put_slot, take_slots
 
 
 @dataclass(frozen=True)
@@ -167,7 +165,7 @@ class MixedPrecisionH2OKVCache(QuantizedH2OKVCache):
             q.bits, q.recent_bits, q.group_size, cfg.max_size - cfg.recent_budget
         )
 
-    def _write_into_victim(self, keys, values):
+    def write_into_victim(self, keys, values):
         """The policy's victim leaves; a high-zone victim's slot takes the
         oldest recent token, whose slot takes this one (mixed_evict)."""
         *meta, target = mixed_evict(self.config, self.window_size, self.kv, self.positions,
@@ -177,47 +175,6 @@ class MixedPrecisionH2OKVCache(QuantizedH2OKVCache):
         self.meta_pending = False
         self.evicted += 1
         return target
-
-
-def mixed_evict(config, window_size, kv, positions, score, count, n, keys, values, offset,
-                zones=None, split=None):
-    """A full mixed-precision cache's eviction for the token at ``offset``:
-    the policy's victim; a high-zone victim's slot takes the oldest recent
-    token (widened, ``MixedKV.promote``); the new token goes into the freed
-    recent slot with fresh metadata. Writes ``kv``'s arrays; returns
-    (positions, score, count, target slot (B, Hk, 1)). ``offset``, ``zones``
-    and ``split`` (``kv.split``) may be int32 scalar arrays
-    (``compiled_mixed_evict``)."""
-    pos = positions[..., :n]
-    pri = policy.slot_priority(config, pos, score[..., :n], count[..., :n], offset + 1, window_size,
-                        zones)
-    victim = policy.select_victim(pri, pos)[..., None]  # (B, Hk, 1)
-    target = kv.promote(victim, pos, split)
-    # The oldest recent token's metadata moves with it; its slot starts afresh.
-    moved = (put_slot(a, victim, take_slots(a, target, n)) for a in (positions, score, count))
-    meta = fresh_slot(*moved, target, offset, policy.written_score(config.score, keys))
-    kv.write_slot(target, keys, values, split)
-    return (*meta, target)
-
-
-@functools.lru_cache(maxsize=64)
-def compiled_mixed_evict(config, window_size, hi_bits, lo_bits, group_size, split):
-    """``mixed_evict`` through mx.compile (its elementwise ops fuse; its
-    scatters and gathers stay): (hi K, hi V, lo K, lo V triples, positions,
-    score, count, keys, values, offset, sink, recent, split) -> the 12 zone
-    arrays, positions, score, count, target. The int32 scalar inputs keep
-    every token and layer size on one build of the CPU code."""
-
-    def step(hi_k, hi_v, lo_k, lo_v, positions, score, count, keys, values, offset, sink,
-             recent, split_array):
-        kv = MixedKV(hi_bits, lo_bits, group_size, split)
-        kv.hi.keys, kv.hi.values, kv.lo.keys, kv.lo.values = hi_k, hi_v, lo_k, lo_v
-        *meta, target = mixed_evict(config, window_size, kv, positions, score, count,
-                                    positions.shape[2], keys, values, offset, (sink, recent),
-                                    split_array)
-        return (*kv.hi.keys, *kv.hi.values, *kv.lo.keys, *kv.lo.values, *meta, target)
-
-    return mx.compile(step)
 
 
 def quantized_cache_type(quant: QuantConfig | None):

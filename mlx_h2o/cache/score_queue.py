@@ -2,9 +2,9 @@
 
 While a cache is below ``max_size`` no decision reads its scores, so a decode
 step can attend with MLX's own SDPA (no score export, no custom launch) and
-keep its queries; their scores are folded in one batched pass every few steps,
+keep its queries; their scores are folded in one pass every few steps,
 or as soon as anything reads the cache's metadata. For summed scores
-(``accumulated``, ``normalized``) the batched fold equals the per-step folds
+(``accumulated``, ``normalized``) the queue's fold equals the per-step folds
 up to float summation order: keys are only appended meanwhile, and each query
 is masked to the keys that existed at its step. The cache's side of it
 is the ``DeferredFill`` decode step (cache/decode/deferred.py).
@@ -82,7 +82,7 @@ def batch_logits(items: List[QueuedQuery], keys: mx.array) -> Tuple[mx.array, mx
     return logits, mx.logsumexp(logits, axis=-1)
 
 
-def batch_fold(items: List[QueuedQuery], keys: mx.array) -> Tuple[mx.array, mx.array]:
+def fold_queue(items: List[QueuedQuery], keys: mx.array) -> Tuple[mx.array, mx.array]:
     """What folding the queued queries one by one adds to (score, count) in the
     summed modes (policy.fold_scores): per slot, the attention probability
     averaged over each GQA group and summed over the queries, (B, n_kv_heads,

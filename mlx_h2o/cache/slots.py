@@ -57,7 +57,7 @@ class SlotCache:
         self.offset = 0  # tokens seen
         self.evicted = 0  # tokens evicted per (sequence, KV head)
         self.slots_used = 0  # slots in use
-        # Slots n..capacity hold tokens a batch eviction dropped (evict_batch):
+        # Slots n..capacity hold tokens a bulk eviction dropped (evict_batch):
         # deferred decode steps attend them until new tokens overwrite them.
         self.lingering = False
         self.written_slot = None  # (B, Hk, 1[, D]) slot this step's token overwrote
@@ -134,7 +134,7 @@ class SlotCache:
     def into_victim(self) -> bool:
         """Whether this decode token goes straight into the victim the last
         step picked ahead: the full cache's steady state (a cache past its
-        budget compacts first; after a trim or a batch eviction none is held)."""
+        budget compacts first; after a trim or a bulk eviction none is held)."""
         return self.next_victim is not None and self.slots_used == self.max_size
 
     def write_picked_victim(self, keys, values, for_sdpa=False):

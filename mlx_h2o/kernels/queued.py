@@ -293,7 +293,7 @@ def queue_fold(queries: mx.array, keys: mx.array, visible: Sequence[int], scale:
         queries: (B, n_heads, T, D), query t sees slots < visible[t];
         keys: the K buffer (B, n_kv_heads, cap, D), read in place;
         score, count: (B, n_kv_heads, M) float32, M >= max(visible).
-    As cache/deferred.batch_fold added to (score, count), up to float
+    As cache/deferred.fold_queue added to (score, count), up to float
     summation order. ``poison`` (tests): what an unwritten output reads;
     ``tile`` (benchmarks): one of ``TILES``.
     """

@@ -11,7 +11,7 @@ backend:
   for many layers; cache/group.py's make_groups joins it);
 - around that, the score queue (deferred.py) while the cache is below its
   budget: summed score modes over plain K/V without a sliding window;
-- outermost, batched eviction (batched.py) when ``evict_batch`` > 1 and the
+- outermost, bulk eviction (bulk.py) when ``evict_batch`` > 1 and the
   storage keeps its zones on eviction.
 
 Each step falls back to the reference for what its kernels do not take
@@ -21,7 +21,7 @@ Each step falls back to the reference for what its kernels do not take
 from ...kernels import runs_on_gpu
 from ...scores import score_mode
 from .base import DecodeStep
-from .batched import BatchedEviction
+from .bulk import BulkEviction
 from .compiled import CompiledStep, MixedCompiledStep
 from .deferred import DeferredFill
 from .fused import FusedStep
@@ -59,7 +59,7 @@ def decode_step(cache, kind: str = "auto", defer: int = DEFER_STEPS,
             and mode.deferrable):
         step = DeferredFill(step, defer, cache.fold_phase)
     if cfg.evict_batch > 1 and not kv.moves_on_evict:
-        step = BatchedEviction(step)
+        step = BulkEviction(step)
     return step
 
 

@@ -41,7 +41,7 @@ class DecodeStep:
 
 
 class Wrapper(DecodeStep):
-    """A step around another one (the score queue, batched eviction, a group)."""
+    """A step around another one (the score queue, bulk eviction, a group)."""
 
     def __init__(self, inner: DecodeStep):
         super().__init__(inner.cache)

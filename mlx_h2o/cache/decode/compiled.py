@@ -12,6 +12,7 @@ GPU stream, masks, attention sinks) the reference step runs.
 import mlx.core as mx
 
 from ...kernels import H2OFold
+from ..mixed_storage import compiled_mixed_evict
 from ..ops_step import compiled_fill, compiled_step, int_array, written_input, zone_arrays
 from .reference import ReferenceStep
 
@@ -95,8 +96,6 @@ class MixedCompiledStep(CompiledStep):
                 and c.slots_used == c.kv.capacity == c.slot_metadata()[0].shape[2])
 
     def evict(self, keys, values):
-        from ..quantized import compiled_mixed_evict  # it imports the cache classes
-
         c = self.cache
         kv, cfg = c.kv, c.config
         step = compiled_mixed_evict(cfg, c.window_size, kv.hi.bits, kv.lo.bits,

@@ -1,6 +1,6 @@
 """The score queue around a decode step: below the budget, scores fold later.
 
-While a cache is below ``max_size`` (or appends over the slots a batch
+While a cache is below ``max_size`` (or appends over the slots a bulk
 eviction freed) no decision reads its scores: the token is appended, MLX's
 own SDPA attends (no score export, no custom launch, no metadata writes) and
 the query waits in a ScoreQueue (cache/score_queue.py). Every ``steps``
@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from ...kernels import queue_fold, queue_fold_supported
 from .. import first_use
-from ..score_queue import ScoreQueue, batch_fold, queued_queries
+from ..score_queue import ScoreQueue, fold_queue, queued_queries
 from .base import Wrapper
 
 QUEUE_FOLD = "queue fold"  # its kernel's family for the Metal first-use check
@@ -29,7 +29,7 @@ class DeferredFill(Wrapper):
         self.queue = ScoreQueue(steps, phase)
         self.lazy = False  # this token's scores go to the queue
         self.kernel = False  # the queue is folded by kernels/queued.py
-        self.event_lazy = False  # a batch eviction's metadata is not evaluated yet
+        self.event_lazy = False  # a bulk eviction's metadata is not evaluated yet
 
     def stagger(self, phase: int) -> None:
         self.queue = ScoreQueue(self.queue.steps, phase)
@@ -44,7 +44,7 @@ class DeferredFill(Wrapper):
         c.offset += 1
         c.pending = 1
         self.lazy = True
-        # After a batch eviction the whole buffer, as RotatingKVCache returns
+        # After a bulk eviction the whole buffer, as RotatingKVCache returns
         # it (no slice nodes): the evicted slots not yet overwritten too.
         return c.kv.fetch(c.kv.capacity if c.lingering else c.slots_used)
 
@@ -84,7 +84,7 @@ class DeferredFill(Wrapper):
         if due:
             self.fold()
         if due or self.event_lazy:
-            # A batch event's metadata held its queue and K buffer; each event
+            # A bulk event's metadata held its queue and K buffer; each event
             # left lazy chained onto the last (memory grew every event).
             self.event_lazy = False
             out = c.with_metadata(out)
@@ -120,7 +120,7 @@ class DeferredFill(Wrapper):
     def ops_fold(self, items, n, score, count):
         """The queue's fold in mx ops: the new (score, count)."""
         w = self.width(n)
-        step, seen = batch_fold(items, self.cache.kv.dense_keys(w))
+        step, seen = fold_queue(items, self.cache.kv.dense_keys(w))
         if w == score.shape[-1]:
             return score + step, count + seen
         score, count = mx.array(score), mx.array(count)  # new arrays

@@ -1,4 +1,4 @@
-"""Batched eviction (H2OConfig.evict_batch): the batch event of a dense cache.
+"""Bulk eviction (H2OConfig.evict_batch): the bulk event of a dense cache.
 
 A full cache with ``evict_batch`` > 1 evicts that many tokens at once, then
 appends decode tokens until it is full again. The event folds the queued decode
@@ -37,9 +37,9 @@ def _layout(n: int, T: int, n0: int, keep: int):
     return arrays
 
 
-def batch_event(queries, keys, values, positions, score, count, offset: int, *, n0: int,
+def bulk_event(queries, keys, values, positions, score, count, offset: int, *, n0: int,
                 scale: float, keep: int, config):
-    """One batch eviction over full buffers (B, Hk, n[, D]): (keys, values,
+    """One bulk eviction over full buffers (B, Hk, n[, D]): (keys, values,
     positions, score, count) with the ``keep`` best slots first, best first,
     then the evicted ones, worst first; the freed tail's scores zeroed.
 
