@@ -75,6 +75,7 @@ class BatchH2OKVCache(BatchRows):
         self._n = 0  # slots in use (shared by the rows)
         self._call = None
         self._target = None  # (B, Hk, 1) slot of each row's next decode token
+        self._keys_scored_by = None  # the score mode _keys_scored was decided for
         self.token_bytes = 0
         self._set_rows([0] * batch_size, [0] * batch_size,
                        list(left_padding or [0] * batch_size), None)
@@ -263,8 +264,15 @@ class BatchH2OKVCache(BatchRows):
         self.seen = [s + h for s, h in zip(self.seen, has)]
         full_next = tuple(k >= cfg.max_size for k in self.kept)
         step = (target, row_ints(qpos, 3), row_ints(tuple(s + 1 for s in self.seen), 3),
-                row_ints(full_next, 3, mx.bool_), policy.written_score(cfg.score, keys))
+                row_ints(full_next, 3, mx.bool_), self._written_score(keys))
         self._call = _Call(row_ints(qpos, 2), None, step=step)
+
+    def _written_score(self, keys):
+        """policy.written_score of a decode token's keys (0.0 but for key-norm)."""
+        if self.config.score != self._keys_scored_by:
+            self._keys_scored_by = self.config.score
+            self._keys_scored = score_mode(self.config.score).from_keys
+        return policy.written_score(self.config.score, keys) if self._keys_scored else 0.0
 
     def _targets(self, full: List[bool]) -> mx.array:
         """(B, Hk, 1) where each row's decode token goes: its victim, ranked

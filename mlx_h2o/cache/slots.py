@@ -89,9 +89,20 @@ class SlotCache:
         self.score[..., n : n + L] = self.new_score
         self.count[..., n : n + L] = 0.0
 
+    @property
+    def config(self) -> H2OConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: H2OConfig):
+        self._config = config
+        # Decided once: only a key-norm mode scores the keys it writes.
+        self.keys_scored = score_mode(config.score).from_keys
+
     def _note_written(self, keys):
         """Keep the score of the keys just written for their metadata write."""
-        self.new_score = policy.written_score(self.config.score, keys)
+        if self.keys_scored:
+            self.new_score = policy.written_score(self.config.score, keys)
 
     def write_pending_meta(self):
         """The last decode token's position and scores, when no kernel wrote them."""
