@@ -220,8 +220,8 @@ def stream_completion(url, prompt, max_tokens, bias, timeout):
 def _watch(server: Server, threads, timeout, poll=2.0):
     """Wait for the clients; LoadFailed as soon as the server dies or time is up."""
     deadline = time.monotonic() + timeout
-    while any(t.is_alive() for t in threads):
-        next(t for t in threads if t.is_alive()).join(poll)
+    while (waiting := next((t for t in threads if t.is_alive()), None)) is not None:
+        waiting.join(poll)
         if server.proc.poll() is not None:
             raise LoadFailed("died", f"exited ({server.proc.returncode}): {server.error()}")
         if server.healthy() is False:

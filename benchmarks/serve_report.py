@@ -151,7 +151,8 @@ def capacity_table(results, prompt_tokens, max_tokens):
              f"{max_tokens} tokens) | loads tried | why the smallest failing load failed |",
              "|---|---|---|---|---|"]
     for name, c in results.items():
-        answered = f"{c['clients']}" if c["failed_at"] else f">= {c['clients']} (none failed)"
+        answered = (f"{c['clients']} ({c['failed_at']} failed)" if c["failed_at"]
+                    else f">= {c['clients']} (none failed)")
         tried = ", ".join(f"{x['clients']} {'ok' if x['ok'] else x['kind']}" for x in c["loads"])
         fails = [x for x in c["loads"] if not x["ok"]]
         why = min(fails, key=lambda x: x["clients"]) if fails else None

@@ -128,7 +128,7 @@ def test_capacity_table_compares_with_stock():
            "loads": [{"clients": n, "ok": True} for n in (1, 2, 4, 8, 16, 32)]}
     lines = report.capacity_table({"stock": stock, "h2o-1024": h2o}, 16384, 64)
     assert "16,384-token prompts, 64 tokens" in lines[0]
-    assert lines[2] == ("| stock | - | 4 | 1 ok, 2 ok, 4 ok, 8 died, 5 timed out | "
+    assert lines[2] == ("| stock | - | 4 (5 failed) | 1 ok, 2 ok, 4 ok, 8 died, 5 timed out | "
                         "5 clients: timed out: over 600 s |")
     assert lines[3].startswith("| h2o-1024 | 1024 | >= 32 (none failed) |")
     assert lines[-1] == ("h2o-1024 answers 8.0x stock's clients (32 vs 4); "
