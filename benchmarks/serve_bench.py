@@ -24,8 +24,9 @@ request streams ``--max-tokens`` tokens within ``--timeout``), is recorded
 with the load and the server's error, and the other servers go on.
 
 ``--capacity``: the most clients of ``--prompt-tokens`` each server answers:
-loads of 1, 2, 4, ... clients up to ``--max-clients``, then with ``--bisect``
-halving the gap between the last load answered and the first failed. A server
+loads of 1, 2, 4, ... clients (from ``--min-clients``) up to ``--max-clients``,
+then with ``--bisect`` halving the gap between the last load answered and the
+first failed. ``--no-stock`` leaves stock out (a search split over runs). A server
 is kept while it answers and restarted after a failure; loads are not warmed
 (the question is whether it answers, not how fast).
 
@@ -150,7 +151,8 @@ def capacity_of(cfg, args, tok, bias, logs):
         return True
 
     try:
-        clients, failed_at, _ = search_capacity(answers, args.max_clients, args.bisect)
+        clients, failed_at, _ = search_capacity(answers, args.max_clients, args.bisect,
+                                                args.min_clients)
     finally:
         if served is not None:
             served.close()
@@ -160,8 +162,8 @@ def capacity_of(cfg, args, tok, bias, logs):
 def server_configs(args, model: Path):
     h2o_model = [] if args.model is None and args.random is None else ["--model", str(model)]
     common = ["--prompt-cache-size", "0", *shlex.split(args.server_args)]
-    configs = [{"name": "stock", "budget": 0, "argv": ["-m", "mlx_lm", "server", "--model",
-                                                        str(model), *common]}]
+    configs = [] if args.no_stock else [{"name": "stock", "budget": 0, "argv": [
+        "-m", "mlx_lm", "server", "--model", str(model), *common]}]
     for b in args.budgets:
         configs.append({"name": f"h2o-{b}", "budget": b, "argv": [
             "-m", "mlx_h2o", "serve", *h2o_model, "--h2o-max-size", str(b), *common,
@@ -215,6 +217,7 @@ def setup_arg_parser():
                    help="restart (and warm) every server for each round, rotating their order")
     p.add_argument("--capacity", action="store_true",
                    help="find the most --prompt-tokens clients each server answers")
+    p.add_argument("--min-clients", type=int, default=1, help="--capacity's first load")
     p.add_argument("--max-clients", type=int, default=64, help="--capacity's largest load")
     p.add_argument("--bisect", action="store_true",
                    help="--capacity: bisect between the last load answered and the first failed")
@@ -228,6 +231,9 @@ def setup_arg_parser():
                    help="--random's tokenizer files (default: the packaged SmolLM2's)")
     p.add_argument("--save-random", default=None, metavar="DIR",
                    help="build --random's model into DIR and exit (serve it with --model DIR)")
+    p.add_argument("--no-stock", action="store_true",
+                   help="serve the mlx-h2o servers alone (no ratios; e.g. a capacity search "
+                   "split over two runs)")
     p.add_argument("--server-args", default="", help="extra flags for every server")
     p.add_argument("--h2o-args", default="", help="extra flags for the mlx-h2o servers")
     p.add_argument("--timeout", type=float, default=600, help="seconds a request may take")
@@ -239,8 +245,10 @@ def setup_arg_parser():
 
 
 def check_args(args):
-    if args.clients < 1 or args.max_clients < 1:
-        raise ValueError("--clients and --max-clients must be >= 1")
+    if args.clients < 1 or not 1 <= args.min_clients <= args.max_clients:
+        raise ValueError("--clients must be >= 1 and 1 <= --min-clients <= --max-clients")
+    if args.no_stock and not args.budgets:
+        raise ValueError("--no-stock without --budgets leaves no server: add --budgets")
     if args.rounds < 3:
         raise ValueError(f"--rounds {args.rounds}: use 3 or more (a median of fewer rounds "
                          "is one round's luck)")
@@ -278,7 +286,8 @@ def header(args, eos):
 
     name = (f"random {args.random} ({args.random_bits or 16}-bit)" if args.random
             else args.model or "smollm2-135m (packaged)")
-    mode = (f"capacity max_clients={args.max_clients} bisect={args.bisect}" if args.capacity
+    mode = (f"capacity clients={args.min_clients}..{args.max_clients} bisect={args.bisect}"
+            if args.capacity
             else f"clients={args.clients} rounds={args.rounds} interleave={args.interleave}")
     return (f"config: model={name} {mode} prompt_tokens={args.prompt_tokens} "
             f"max_tokens={args.max_tokens} budgets={args.budgets} server_args='{args.server_args}'"

@@ -119,15 +119,17 @@ def _versus_stock(name, r, stock):
             f"{_x(r['decode_vs_stock'])}{gpu}{bound}")
 
 
-def search_capacity(answers, max_clients, bisect=False):
+def search_capacity(answers, max_clients, bisect=False, min_clients=1):
     """The largest n <= max_clients for which ``answers(n)`` holds, assuming a server
-    that answers n clients answers fewer: n doubles from 1 (1, 2, 4, ..., then
-    max_clients itself) until a load fails; with ``bisect``, halves the gap between
-    the last success and the first failure. Returns (capacity, first failing n or
-    None when every load up to max_clients was answered, [(n, answered), ...])."""
-    if max_clients < 1:
-        raise ValueError(f"max_clients is {max_clients}: it must be >= 1")
-    tried, answered, failed, n = [], 0, None, 1
+    that answers n clients answers fewer: n doubles from min_clients (1, 2, 4, ...,
+    then max_clients itself) until a load fails; with ``bisect``, halves the gap
+    between the last success (0 before any) and the first failure. Returns
+    (capacity, first failing n or None when every load up to max_clients was
+    answered, [(n, answered), ...])."""
+    if not 1 <= min_clients <= max_clients:
+        raise ValueError(f"clients from {min_clients} to {max_clients}: need "
+                         "1 <= min_clients <= max_clients")
+    tried, answered, failed, n = [], 0, None, min_clients
     while n is not None:
         ok = bool(answers(n))
         tried.append((n, ok))

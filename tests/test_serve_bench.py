@@ -113,9 +113,13 @@ def test_capacity_search_doubles_then_bisects(limit, max_clients, bisect, answer
     assert found == (answered, failed, [(n, n <= limit) for n in tried]) and asked == tried
 
 
-def test_capacity_search_needs_a_load():
-    with pytest.raises(ValueError, match="max_clients is 0"):
-        load("serve_report").search_capacity(lambda n: True, 0)
+def test_capacity_search_from_a_first_load():
+    report = load("serve_report")
+    assert report.search_capacity(lambda n: n <= 20, 32, True, min_clients=16) == (
+        20, 21, [(16, True), (32, False), (24, False), (20, True), (22, False), (21, False)])
+    assert report.search_capacity(lambda n: n <= 5, 32, True, min_clients=8)[:2] == (5, 6)
+    with pytest.raises(ValueError, match="1 <= min_clients <= max_clients"):
+        report.search_capacity(lambda n: True, 0)
 
 
 def test_capacity_table_compares_with_stock():
