@@ -100,7 +100,7 @@ def rounds_table(rows, context):
     lines += [r["failure"] for r in rows.values() if r["failure"]]
     stock = rows.get(BASE)
     lines += [_versus_stock(name, r, stock) for name, r in rows.items()
-              if r["budget"] and r["rounds"]]
+              if stock and r["budget"] and r["rounds"]]
     return lines
 
 
