@@ -114,7 +114,11 @@ class BatchH2OKVCache(BatchRows):
         if call.step is not None:
             return self._attend_decode(queries, keys, values, scale, mask, sinks, call.step)
         n, Hk = self._n, keys.shape[1]
-        own = policy.position_mask(self.positions[..., :n], call.qpos, self.window_size)
+        # Until a row evicts, every KV head holds the same positions: one
+        # (B, 1, L, N) mask serves all of them, as BatchKVCache's does.
+        heads = 1 if self.seen == self.kept else Hk
+        own = policy.position_mask(self.positions[:, :heads, :n], call.qpos,
+                                   self.window_size)
         mask = policy.combine_masks(own, mask)
         windowed = (call.columns is not None and sinks is None
                     and mask.shape[1] in (1, Hk))
