@@ -52,13 +52,12 @@ import platform
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from serve_load import LoadFailed, Served
-from serve_model import make_prompts, model_info, save_random_model
+from serve_model import make_prompts, model_info, random_args, resolve, save_random_model
 from serve_report import capacity_table, rounds_table, search_capacity, summarise
 
 OPENBLAS_ENV = "LD_PRELOAD"  # shown in the command: it makes CPU matmuls 30x faster
@@ -171,30 +170,6 @@ def server_configs(args, model: Path):
     return configs
 
 
-def resolve(args, tmp: Path) -> Path:
-    """The served model's folder (the random one built in a child process)."""
-    from mlx_h2o.models import PACKAGED_MODELS, resolve_model
-
-    if args.random:
-        out = tmp / f"random-{args.random}"
-        subprocess.run([sys.executable, __file__, "--save-random", str(out), *random_args(args)],
-                       check=True)
-        return out
-    if args.model is None or args.model in PACKAGED_MODELS:
-        return Path(resolve_model(args.model))
-    if not Path(args.model, "config.json").exists():
-        raise SystemExit(f"--model {args.model}: needs a local model folder or packaged name")
-    return Path(args.model)
-
-
-def random_args(args):
-    from mlx_h2o.models import resolve_model
-
-    tokenizer = args.tokenizer or resolve_model("smollm2-135m")
-    return ["--random", args.random, "--random-bits", str(args.random_bits), "--tokenizer",
-            str(tokenizer)]
-
-
 def command_line():
     """The command that made this run, as it can be typed again."""
     env = os.environ.get(OPENBLAS_ENV)
@@ -298,7 +273,7 @@ def header(args, eos):
 
 
 def run(args, tmp: Path, logs: Path):
-    model = resolve(args, tmp)
+    model = resolve(args, tmp, __file__)
     tok, eos, layers, kv_heads = model_info(model)
     bias = {str(i): -1e4 for i in eos}  # every request generates --max-tokens
     configs = server_configs(args, model)

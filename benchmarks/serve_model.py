@@ -6,6 +6,8 @@ import json
 import random
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 PROSE = Path(__file__).resolve().parents[1] / "tests" / "data" / "python_docs_prose.txt"
@@ -67,6 +69,32 @@ def model_info(path: Path):
         ids.add(tok.token_to_id(eos_token))
     kv_heads = config.get("num_key_value_heads", config["num_attention_heads"])
     return tok, sorted(ids), config["num_hidden_layers"], kv_heads
+
+
+def resolve(args, tmp: Path, script) -> Path:
+    """The served model's folder (a random one built by ``script --save-random`` in a
+    child process, so the benchmark holds no model)."""
+    from mlx_h2o.models import PACKAGED_MODELS, resolve_model
+
+    if args.random:
+        out = tmp / f"random-{args.random}"
+        subprocess.run([sys.executable, str(script), "--save-random", str(out),
+                        *random_args(args)], check=True)
+        return out
+    if args.model is None or args.model in PACKAGED_MODELS:
+        return Path(resolve_model(args.model))
+    if not Path(args.model, "config.json").exists():
+        raise SystemExit(f"--model {args.model}: needs a local model folder or packaged name")
+    return Path(args.model)
+
+
+def random_args(args):
+    """``--save-random``'s flags for ``args`` (the tokenizer: the packaged SmolLM2's)."""
+    from mlx_h2o.models import resolve_model
+
+    tokenizer = args.tokenizer or resolve_model("smollm2-135m")
+    return ["--random", args.random, "--random-bits", str(args.random_bits), "--tokenizer",
+            str(tokenizer)]
 
 
 def make_prompts(tokenizer, lengths, seed):

@@ -200,9 +200,11 @@ def stand_in(name, mode, limit):
 
 
 def bench_args(**kw):
-    return SimpleNamespace(**{"clients": 2, "prompt_tokens": 16, "max_tokens": 4, "rounds": 3,
-                              "interleave": False, "timeout": 30.0, "start_timeout": 30.0,
-                              "max_clients": 8, "bisect": True, **kw})
+    """The script's own defaults, small loads."""
+    args = load("serve_bench").setup_arg_parser().parse_args([])
+    return SimpleNamespace(**{**vars(args), "clients": 2, "prompt_tokens": 16, "max_tokens": 4,
+                              "timeout": 30.0, "start_timeout": 30.0, "max_clients": 8,
+                              "bisect": True, **kw})
 
 
 @pytest.fixture
