@@ -11,13 +11,13 @@ tokens banned by ``logit_bias`` so each request generates ``--max-tokens``),
 then stops the server. Measured: aggregate generated tok/s (all tokens over
 first send to last reply), time to first streamed token (median, max), KV
 bytes a request holds (``usage.h2o.kv_bytes``; stock: the
-``unbounded_kv_bytes`` that H2O reports for the same prompts, what mlx-lm's
-KVCache holds), the server's peak RSS (/proc VmHWM: over its life, and from
+``kvcache_allocated_bytes`` that H2O reports for the same prompts, what mlx-lm's
+KVCache allocates), the server's peak RSS (/proc VmHWM: over its life, and from
 the warm-up's end) and, where nvidia-smi exists, the most GPU memory used
 during the trial above what was used before the server started. Configs
 rotate within each of ``--rounds`` rounds; ratios to stock pair trials of a
-round. Without --model both serve the packaged SmolLM2 (mlx-h2o with its
-layer profile); ``--random NAME`` builds a random-weight model with NAME's
+round. Without --model both serve the packaged SmolLM2 (``--h2o-args
+"--h2o-layer-budget auto"``: mlx-h2o with its layer profile); ``--random NAME`` builds a random-weight model with NAME's
 shapes (mlx_h2o.eval.bench.RANDOM_CONFIGS) in a temporary folder with
 ``--tokenizer``'s files (default: the packaged SmolLM2's). Prints a config
 header, a key=value line per trial, a summary table and a final JSON line.
@@ -275,9 +275,8 @@ def model_info(path: Path):
 
 def kv_bound(h2o, budget, layers, kv_heads):
     """Bytes a request may hold at ``budget`` tokens a layer: K/V (the per-token
-    size from ``unbounded_kv_bytes``, at KVCache's 256-slot steps) + 12 a head."""
-    slots = -(-h2o["tokens_seen"] // 256) * 256
-    token_bytes = h2o["unbounded_kv_bytes"] / (layers * slots)
+    size from ``kvcache_bytes``, KVCache's for exactly the tokens seen) + 12 a head."""
+    token_bytes = h2o["kvcache_bytes"] / (layers * h2o["tokens_seen"])
     return budget * layers * (token_bytes + 12 * kv_heads)
 
 
@@ -322,7 +321,8 @@ def measure(results, ready, peak, serve_peak, gpu):
            "gpu_peak_mb": gpu}
     if h2o:
         rec.update(kv_mb=statistics.median(h["kv_bytes"] for h in h2o) / MB,
-                   kvcache_mb=statistics.median(h["unbounded_kv_bytes"] for h in h2o) / MB,
+                   kvcache_mb=statistics.median(h["kvcache_allocated_bytes"] for h in h2o)
+                   / MB,
                    tokens_kept=max(h["tokens_kept"] for h in h2o),
                    tokens_seen=max(h["tokens_seen"] for h in h2o),
                    batch_rows=max(h["batch_rows"] for h in h2o), h2o=h2o[0])
@@ -392,7 +392,7 @@ def server_configs(args, model: Path):
                                                         str(model), *common]}]
     for b in args.budgets:
         configs.append({"name": f"h2o-{b}", "budget": b, "argv": [
-            "-m", "mlx_h2o", "serve", *h2o_model, "--h2o-max-size", str(b), *common,
+            "-m", "mlx_h2o", "serve", *h2o_model, "--max-kv-size", str(b), *common,
             *shlex.split(args.h2o_args)]})
     return configs
 
@@ -425,7 +425,7 @@ def setup_arg_parser():
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated a request")
     p.add_argument("--budgets", type=int, nargs="*", default=[256, 1024],
-                   help="--h2o-max-size of each mlx-h2o server")
+                   help="--max-kv-size of each mlx-h2o server")
     p.add_argument("--rounds", type=int, default=2, help="rotations over the servers")
     p.add_argument("--model", default=None,
                    help="local mlx-lm model folder or packaged name (default: SmolLM2)")
