@@ -6,7 +6,7 @@ Tasks (mlx_h2o/eval/retrieval_data.py): single / multikey / multivalue /
 multiquery key-value needles, a sentence needle, variable tracking and a
 question about a document, in a haystack of essay text, asked through the
 model's chat template where it has one; the prompt is prefilled in chunks of
---prefill-step tokens (mlx-lm's default 2048), the answer decoded greedily.
+--prefill-step-size tokens (mlx-lm's default 2048), the answer decoded greedily.
 Writes <results-dir>/retrieval/<model>-<hash>/: one JSON per finished
 (strategy, context, budget) with every output, summary.json and one heatmap
 PNG per context.
@@ -29,10 +29,11 @@ from .common import (
     fail,
     has_matplotlib,
     load_model_or_fail,
+    load_tokenizer_or_fail,
     save_plot,
     strategies_or_fail,
 )
-from .passkey import budget_label
+from .passkey import budget_label, check_budget_args, prompts_or_fail
 
 
 def setup_arg_parser():
@@ -66,25 +67,28 @@ def main(argv=None) -> int:
     if bad:
         fail(parser, f"--tasks {' '.join(bad)}: unknown; use some of {' '.join(TASKS)}")
     strategies = strategies_or_fail(parser, args.strategies)
+    check_budget_args(parser, args, strategies)
     if args.haystack != "noise":
         ensure_corpus_or_fail(parser, args.haystack, "--haystack")
+    from ..eval.passkey import budget_tokens, run_strategy
+    from ..eval.retrieval import haystack_text, make_prompts, task_accuracy
+
+    tokenizer, hay = load_tokenizer_or_fail(parser, args.model), haystack_text(args.haystack)
+    grid = prompts_or_fail(parser, lambda ctx: make_prompts(
+        tokenizer, args.tasks, [ctx], args.depths, args.seed, hay, not args.no_chat),
+        args.contexts)
     plots = has_matplotlib(parser.prog)
-    config = {k: getattr(args, k) for k in ("model", "tasks", "depths", "haystack",
-                                            "prefill_step", "new_tokens", "seed")}
-    config["chat"] = not args.no_chat
+    config = {"model": args.model, "tasks": args.tasks, "depths": args.depths,
+              "haystack": args.haystack, "prefill_step": args.prefill_step_size,
+              "new_tokens": args.new_tokens, "seed": args.seed, "chat": not args.no_chat}
     rdir = ResultsDir(args.results_dir, "retrieval", config, ("model",))
     print(f"# mlx-h2o retrieval  results={rdir.path}")
     print("# " + " ".join(f"{k}={v}" for k, v in config.items()), flush=True)
     model, tokenizer = load_model_or_fail(parser, args.model)
-    from ..eval.passkey import budget_tokens, run_strategy
-    from ..eval.retrieval import haystack_text, make_prompts, task_accuracy
-
     strategies = [s.calibrated(model, tokenizer) for s in strategies]
-    hay = haystack_text(args.haystack)
     tic, rows = time.perf_counter(), []
     for ctx in args.contexts:
-        prompts = make_prompts(tokenizer, args.tasks, [ctx], args.depths, args.seed, hay,
-                               not args.no_chat)
+        prompts = grid[ctx]
         full = None  # the baseline's result at this context, once it has run
         for budget in args.budgets:
             for st in strategies:
@@ -95,8 +99,8 @@ def main(argv=None) -> int:
                 res = rdir.load(key)
                 if res is None:
                     res = run_strategy(model, tokenizer, prompts, st, max_kv,
-                                       args.prefill_step, args.new_tokens, args.batch_size,
-                                       not args.no_progress)
+                                       args.prefill_step_size, args.new_tokens,
+                                       args.batch_size, not args.no_progress)
                     rdir.save(key, res)
                 acc = task_accuracy(res)
                 if not st.bounded:

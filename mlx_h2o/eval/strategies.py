@@ -83,6 +83,27 @@ class Strategy:
         opts = dict(self.options)
         return H2OConfig(max_size=max_kv, sink_size=self.sink, heavy_budget=heavy, **opts)
 
+    def check_budget(self, max_kv: int) -> None:
+        """ValueError naming the fix unless this strategy's cache can be made at
+        ``max_kv`` tokens a layer (no model needed: commands check it first)."""
+        if not self.bounded:
+            return
+        if max_kv < 1:
+            raise ValueError(f"strategy {self.name!r}: a budget is the tokens a layer "
+                             "holds: use 1 or more")
+        if self.kind == "rotating":
+            if max_kv <= self.sink:
+                raise ValueError(f"strategy {self.name!r} keeps {self.sink} sink tokens: "
+                                 f"use a budget above {self.sink}")
+            return
+        try:
+            self.h2o_config(max_kv)
+        except ValueError as e:
+            raise ValueError(f"strategy {self.name!r}: {e}") from None
+        if self.layer_budget != "uniform" and max_kv < self.sink + 2:
+            raise ValueError(f"strategy {self.name!r}: a layer profile needs a budget of "
+                             f"at least sink + 2 = {self.sink + 2}")
+
     def calibrated(self, model, tokenizer=None) -> "Strategy":
         """This strategy with its layer budget resolved for ``model``."""
         if self.kind != "h2o":
