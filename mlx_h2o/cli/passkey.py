@@ -85,14 +85,35 @@ def prompts_or_fail(parser, make, contexts) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    parser = setup_arg_parser()
-    args = parser.parse_args(argv)
+def checked_strategies(parser, args) -> list:
+    """``--model``, ``--strategies`` and the budget arguments, checked."""
     check_model_arg(parser, args.model)
     strategies = strategies_or_fail(parser, args.strategies)
     check_budget_args(parser, args, strategies)
+    return strategies
+
+
+def units(args, strategies):
+    """(context, budget, strategy, max_kv, result key) in run order; the
+    unbounded baseline once per context."""
+    from ..eval.passkey import budget_tokens
+
+    for ctx in args.contexts:
+        for budget in args.budgets:
+            for st in strategies:
+                if not st.bounded and budget != args.budgets[0]:
+                    continue
+                max_kv = budget_tokens(budget, ctx)
+                key = f"{st.key(max_kv)}-ctx{ctx}" + (f"-b{budget:g}" if st.bounded else "")
+                yield ctx, budget, st, max_kv, key
+
+
+def main(argv=None) -> int:
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    strategies = checked_strategies(parser, args)
     check_at_least(parser, "--trials", args.trials, 1)
-    from ..eval.passkey import accuracy_grid, budget_tokens, make_prompts, run_strategy
+    from ..eval.passkey import accuracy_grid, make_prompts, run_strategy
 
     tokenizer = load_tokenizer_or_fail(parser, args.model)
     grid = prompts_or_fail(parser, lambda ctx: make_prompts(
@@ -107,29 +128,19 @@ def main(argv=None) -> int:
     model, tokenizer = load_model_or_fail(parser, args.model)
     strategies = [s.calibrated(model, tokenizer) for s in strategies]
     tic, rows, grids = time.perf_counter(), [], {}
-    for ctx in args.contexts:
-        prompts = grid[ctx]
-        for budget in args.budgets:
-            for st in strategies:
-                if not st.bounded and budget != args.budgets[0]:
-                    continue  # the unbounded baseline once per context
-                max_kv = budget_tokens(budget, ctx)
-                key = f"{st.key(max_kv)}-ctx{ctx}"
-                key += f"-b{budget:g}" if st.bounded else ""
-                res = rdir.load(key)
-                if res is None:
-                    res = run_strategy(model, tokenizer, prompts, st, max_kv,
-                                       args.prefill_step_size, args.new_tokens,
-                                       args.batch_size, not args.no_progress)
-                    rdir.save(key, res)
-                label = f"{st.name}, {budget_label(budget)}" if st.bounded else f"{st.name} (unbounded)"
-                grids.setdefault(label, {}).update(accuracy_grid(res))
-                rows.append({"context": ctx, "budget": budget if st.bounded else None,
-                             "max_kv": max_kv if st.bounded else None,
-                             "strategy": st.name, "accuracy": res["accuracy"],
-                             "seconds": res["seconds"]})
-                print(f"ctx={ctx} strategy={st.name} max_kv={rows[-1]['max_kv']} "
-                      f"accuracy={res['accuracy']:.3f} time={res['seconds']:.1f}s")
+    for ctx, budget, st, max_kv, key in units(args, strategies):
+        res = rdir.load(key)
+        if res is None:
+            res = run_strategy(model, tokenizer, grid[ctx], st, max_kv, args.prefill_step_size,
+                               args.new_tokens, args.batch_size, not args.no_progress)
+            rdir.save(key, res)
+        label = f"{st.name}, {budget_label(budget)}" if st.bounded else f"{st.name} (unbounded)"
+        grids.setdefault(label, {}).update(accuracy_grid(res))
+        rows.append({"context": ctx, "budget": budget if st.bounded else None,
+                     "max_kv": max_kv if st.bounded else None, "strategy": st.name,
+                     "accuracy": res["accuracy"], "seconds": res["seconds"]})
+        print(f"ctx={ctx} strategy={st.name} max_kv={rows[-1]['max_kv']} "
+              f"accuracy={res['accuracy']:.3f} time={res['seconds']:.1f}s")
     print()
     print(fmt_table(rows, ("context", "strategy", "budget", "max_kv", "accuracy")))
     summary = {"config": config, "machine": machine_info(), "rows": rows,
@@ -138,8 +149,7 @@ def main(argv=None) -> int:
     if plots:
         from ..eval.plots import plot_heatmaps
 
-        save_plot(plot_heatmaps, grids, args.contexts, args.depths,
-                  rdir.path / "passkey.png",
+        save_plot(plot_heatmaps, grids, args.contexts, args.depths, rdir.path / "passkey.png",
                   title=f"{args.model} passkey accuracy, {args.trials} trial(s) a cell")
     print(json.dumps({"results": str(rdir.path), "rows": rows}))
     return 0

@@ -23,7 +23,6 @@ from .common import (
     add_model_arg,
     add_output_args,
     add_prompt_args,
-    check_model_arg,
     command_parser,
     ensure_corpus_or_fail,
     fail,
@@ -31,9 +30,8 @@ from .common import (
     load_model_or_fail,
     load_tokenizer_or_fail,
     save_plot,
-    strategies_or_fail,
 )
-from .passkey import budget_label, check_budget_args, prompts_or_fail
+from .passkey import budget_label, checked_strategies, prompts_or_fail, units
 
 
 def setup_arg_parser():
@@ -62,15 +60,13 @@ def setup_arg_parser():
 def main(argv=None) -> int:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
-    check_model_arg(parser, args.model)
     bad = [t for t in args.tasks if t not in TASKS]
     if bad:
         fail(parser, f"--tasks {' '.join(bad)}: unknown; use some of {' '.join(TASKS)}")
-    strategies = strategies_or_fail(parser, args.strategies)
-    check_budget_args(parser, args, strategies)
+    strategies = checked_strategies(parser, args)
     if args.haystack != "noise":
         ensure_corpus_or_fail(parser, args.haystack, "--haystack")
-    from ..eval.passkey import budget_tokens, run_strategy
+    from ..eval.passkey import run_strategy
     from ..eval.retrieval import haystack_text, make_prompts, task_accuracy
 
     tokenizer, hay = load_tokenizer_or_fail(parser, args.model), haystack_text(args.haystack)
@@ -86,32 +82,23 @@ def main(argv=None) -> int:
     print("# " + " ".join(f"{k}={v}" for k, v in config.items()), flush=True)
     model, tokenizer = load_model_or_fail(parser, args.model)
     strategies = [s.calibrated(model, tokenizer) for s in strategies]
-    tic, rows = time.perf_counter(), []
-    for ctx in args.contexts:
-        prompts = grid[ctx]
-        full = None  # the baseline's result at this context, once it has run
-        for budget in args.budgets:
-            for st in strategies:
-                if not st.bounded and budget != args.budgets[0]:
-                    continue  # the unbounded baseline once per context
-                max_kv = budget_tokens(budget, ctx)
-                key = f"{st.key(max_kv)}-ctx{ctx}" + (f"-b{budget:g}" if st.bounded else "")
-                res = rdir.load(key)
-                if res is None:
-                    res = run_strategy(model, tokenizer, prompts, st, max_kv,
-                                       args.prefill_step_size, args.new_tokens,
-                                       args.batch_size, not args.no_progress)
-                    rdir.save(key, res)
-                acc = task_accuracy(res)
-                if not st.bounded:
-                    full = res
-                rows.append({"context": ctx, "strategy": st.name,
-                             "budget": budget if st.bounded else None,
-                             "max_kv": max_kv if st.bounded else None, **acc,
-                             **_kept(res, full), "seconds": res["seconds"]})
-                print(f"ctx={ctx} strategy={st.name} max_kv={rows[-1]['max_kv']} "
-                      f"mean={acc['mean']:.3f} " + " ".join(
-                          f"{t}={acc[t]:.2f}" for t in args.tasks), flush=True)
+    tic, rows, full = time.perf_counter(), [], {}  # full: the baseline's result a context
+    for ctx, budget, st, max_kv, key in units(args, strategies):
+        res = rdir.load(key)
+        if res is None:
+            res = run_strategy(model, tokenizer, grid[ctx], st, max_kv, args.prefill_step_size,
+                               args.new_tokens, args.batch_size, not args.no_progress)
+            rdir.save(key, res)
+        acc = task_accuracy(res)
+        if not st.bounded:
+            full[ctx] = res
+        rows.append({"context": ctx, "strategy": st.name,
+                     "budget": budget if st.bounded else None,
+                     "max_kv": max_kv if st.bounded else None, **acc,
+                     **_kept(res, full.get(ctx)), "seconds": res["seconds"]})
+        print(f"ctx={ctx} strategy={st.name} max_kv={rows[-1]['max_kv']} "
+              f"mean={acc['mean']:.3f} " + " ".join(
+                  f"{t}={acc[t]:.2f}" for t in args.tasks), flush=True)
     cols = ("context", "strategy", "budget", "max_kv", *args.tasks, "mean", "kept")
     print()
     print(fmt_table(rows, cols))
