@@ -201,6 +201,9 @@ def test_missing_corpus_is_explained_before_the_model_loads(tmp_path, capsys,
     (["bench", "-p", "0"], "--prompt-tokens 0: use a value >= 1"),
     (["bench", "--max-kv-size", "4"], "--max-kv-size 4: strategy 'rotating' keeps 4 sink"),
     (["profile", "-n", "0"], "--num-samples 0: use a value >= 1"),
+    (["ppl", "--strategies", "h2o-heavy:layer_budget=no-such.json"],
+     "--strategies h2o-heavy:layer_budget=no-such.json: layer profile no-such.json does "
+     "not exist; make a new one with `mlx-h2o calibrate"),
     (["quality", "-n", "1"], "--num-samples 1: eval set 'evaluation': num_samples must be "
      ">= 2 (paired standard errors)"),
     (["quality", "--sequence-length", "128"], "--max-kv-size 256: no strategy evicts in a "

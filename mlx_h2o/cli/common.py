@@ -67,7 +67,7 @@ def add_max_kv_size_arg(parser: argparse.ArgumentParser, default=(256,)) -> None
     """The budgets of the bounded strategies: mlx-lm's ``--max-kv-size``
     (``--max-kv``: its old spelling here), one or several."""
     parser.add_argument("--max-kv-size", type=int, nargs="+", default=list(default),
-                        help="KV budget in tokens a layer, one or several (a sweep): "
+                        metavar="N", help="KV budget in tokens a layer, one or several (a sweep): "
                         "rotating keeps the newest, h2o-* evict by score; under a "
                         "strategy's layer profile (h2o-* on a packaged model) the mean "
                         "over layers")
@@ -180,7 +180,8 @@ def save_plot(draw: Callable[..., Path], *args: Any, **kwargs: Any) -> Optional[
 
 def strategies_or_fail(parser, specs) -> list:
     """Parsed ``--strategies``; one calibrated in-process (``layer_budget=invtopk``)
-    needs the calibration corpus, checked here too."""
+    needs the calibration corpus, one with a profile file a readable profile:
+    checked here too."""
     from ..eval.calibrate import CALIBRATION
     from ..eval.strategies import STATISTICS, parse_strategy
 
@@ -193,6 +194,13 @@ def strategies_or_fail(parser, specs) -> list:
         if out[-1].layer_budget in STATISTICS:
             ensure_corpus_or_fail(parser, CALIBRATION["corpus"], f"--strategies {spec}: "
                                   "calibration corpus")
+        elif out[-1].layer_budget.endswith(".json"):
+            from ..profiles import load_profile
+
+            try:
+                load_profile(out[-1].layer_budget)
+            except ValueError as e:
+                fail(parser, f"--strategies {spec}: {e}")
     return out
 
 

@@ -58,10 +58,10 @@ def flagify(message: str) -> str:
 MAX_KV_SIZE_HELP = (
     "KV budget: tokens each attention layer's cache holds at most (default: 256). "
     "Nothing is evicted, and greedy output equals mlx-lm's, while the "
-    "conversation has at most that many tokens. H2O evicts by attention score; "
-    "with --no-h2o mlx-lm's RotatingKVCache keeps the newest tokens (unbounded "
-    "when unset). Under --h2o-layer-budget auto or a profile it is the mean over "
-    "layers instead (each layer max-kv-size/4..4*max-kv-size)")
+    "conversation has at most N tokens. H2O evicts by attention score{no_h2o}. "
+    "Under --h2o-layer-budget auto or a profile, N is the mean over layers "
+    "instead (each layer N/4 to 4N)")
+_ROTATING = "; with --no-h2o mlx-lm's RotatingKVCache keeps the newest N (unset: unbounded)"
 
 
 def add_h2o_args(parser: argparse.ArgumentParser) -> None:
@@ -69,9 +69,9 @@ def add_h2o_args(parser: argparse.ArgumentParser) -> None:
     own = next((a for a in parser._actions if "--max-kv-size" in a.option_strings), None)
     if own is None:  # mlx_lm.server has no --max-kv-size
         g.add_argument("--max-kv-size", type=int, default=None, metavar="N",
-                       help=MAX_KV_SIZE_HELP)
+                       help=MAX_KV_SIZE_HELP.format(no_h2o=""))
     else:
-        own.help, own.metavar = MAX_KV_SIZE_HELP, "N"
+        own.help, own.metavar = MAX_KV_SIZE_HELP.format(no_h2o=_ROTATING), "N"
     g.add_argument("--h2o-max-size", type=int, default=None, help=argparse.SUPPRESS)
     g.add_argument("--h2o-heavy-budget", type=int, default=None, metavar="N",
                    help="Heavy-hitter slots (default: half of what sinks leave)")

@@ -17,9 +17,9 @@ field (``score=normalized``, ``ema_alpha=0.9``, ...). Score-mode shorthands:
 a mode's ``short`` name (mlx_h2o/scores.py) as a suffix, e.g. ``h2o-heavy-acc``,
 ``h2o-heavy-norm`` (any split).
 ``layer_budget`` shares the budget between layers as ``make_h2o_cache`` does:
-``auto`` (the default: the shipped layer profile of a packaged model, else
-uniform), ``uniform`` (max_kv in every layer: the results before per-layer
-budgets), a profile file (``mlx-h2o calibrate``), or a statistic calibrated
+``auto`` (the strategies' default, under which the results were measured: the
+shipped layer profile of a packaged model, else uniform), ``uniform`` (max_kv in
+every layer: ``make_h2o_cache``'s and the commands' default), a profile file (``mlx-h2o calibrate``), or a statistic calibrated
 in-process (``entropy``, ``topk``, ``invtopk``; ``eval/calibrate.py``). An H2O
 strategy must be ``calibrated(model, tokenizer)`` before use (``uniform``
 excepted). Result keys name the resolved budget, not its spelling: ``h2o-heavy``
