@@ -52,8 +52,9 @@ def setup_arg_parser():
     return p
 
 
-def check_args(parser, args, strategies) -> None:
-    """Everything the run needs, before anything loads."""
+def check_args(parser, args) -> list:
+    """The strategies and everything the run needs, before anything loads."""
+    strategies = strategies_or_fail(parser, args.strategies)
     if args.model is not None:
         check_model_arg(parser, args.model)
     if args.bits not in (0, 4, 8):
@@ -67,6 +68,7 @@ def check_args(parser, args, strategies) -> None:
                         ("--prefill-step-size", args.prefill_step_size)):
         check_at_least(parser, flag, value, 1)
     check_budgets(parser, strategies, args.max_kv_size)
+    return strategies
 
 
 def _load(parser, args):
@@ -84,8 +86,7 @@ def _load(parser, args):
 def main(argv=None) -> int:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
-    strategies = strategies_or_fail(parser, args.strategies)
-    check_args(parser, args, strategies)
+    strategies = check_args(parser, args)
     import mlx.core as mx
 
     from ..eval.bench import one_trial, summarize

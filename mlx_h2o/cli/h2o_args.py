@@ -57,8 +57,8 @@ def flagify(message: str) -> str:
 
 MAX_KV_SIZE_HELP = (
     "KV budget: tokens each attention layer's cache holds at most (default: 256). "
-    "Nothing is evicted, and greedy output equals mlx-lm's, while the "
-    "conversation has at most N tokens. H2O evicts by attention score{no_h2o}. "
+    "Nothing is evicted, and greedy output equals mlx-lm's (dense K/V), while "
+    "the conversation has at most N tokens. H2O evicts by attention score{no_h2o}. "
     "Under --h2o-layer-budget auto or a profile, N is the mean over layers "
     "instead (each layer N/4 to 4N)")
 _ROTATING = "; with --no-h2o mlx-lm's RotatingKVCache keeps the newest N (unset: unbounded)"

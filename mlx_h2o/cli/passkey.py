@@ -93,6 +93,14 @@ def checked_strategies(parser, args) -> list:
     return strategies
 
 
+def check_args(parser, args) -> list:
+    """The strategies, once every argument is checked (before anything loads;
+    the contexts against the prompts' lengths come with the tokenizer)."""
+    strategies = checked_strategies(parser, args)
+    check_at_least(parser, "--trials", args.trials, 1)
+    return strategies
+
+
 def units(args, strategies):
     """(context, budget, strategy, max_kv, result key) in run order; the
     unbounded baseline once per context."""
@@ -111,8 +119,7 @@ def units(args, strategies):
 def main(argv=None) -> int:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
-    strategies = checked_strategies(parser, args)
-    check_at_least(parser, "--trials", args.trials, 1)
+    strategies = check_args(parser, args)
     from ..eval.passkey import accuracy_grid, make_prompts, run_strategy
 
     tokenizer = load_tokenizer_or_fail(parser, args.model)

@@ -60,8 +60,11 @@ def setup_arg_parser():
     return p
 
 
-def check_args(parser, args, strategies) -> None:
-    """Counts, lengths and budgets that can run, before anything loads."""
+def check_args(parser, args) -> list:
+    """The strategies, and counts, lengths and budgets that can run: before
+    anything loads."""
+    check_model_arg(parser, args.model)
+    strategies = strategies_or_fail(parser, args.strategies)
     check_at_least(parser, "--num-samples", args.num_samples, 1)
     check_at_least(parser, "--batch-size", args.batch_size, 0)
     check_at_least(parser, "--chunk", args.chunk, 1)
@@ -74,6 +77,7 @@ def check_args(parser, args, strategies) -> None:
     if args.mode == "decode":
         check_at_least(parser, "--prefill", args.prefill, 1)
     check_budgets(parser, strategies, args.max_kv_size)
+    return strategies
 
 
 def run_config(args) -> dict:
@@ -99,9 +103,7 @@ def load_data(tokenizer, args) -> dict:
 def main(argv=None) -> int:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
-    check_model_arg(parser, args.model)
-    strategies = strategies_or_fail(parser, args.strategies)
-    check_args(parser, args, strategies)
+    strategies = check_args(parser, args)
     ensure_corpus_or_fail(parser, args.corpus)
     plots = has_matplotlib(parser.prog)
     config = run_config(args)

@@ -57,13 +57,19 @@ def setup_arg_parser():
     return p
 
 
-def main(argv=None) -> int:
-    parser = setup_arg_parser()
-    args = parser.parse_args(argv)
+def check_args(parser, args) -> list:
+    """The strategies, once every argument is checked (before anything loads;
+    the contexts against the prompts' lengths come with the tokenizer)."""
     bad = [t for t in args.tasks if t not in TASKS]
     if bad:
         fail(parser, f"--tasks {' '.join(bad)}: unknown; use some of {' '.join(TASKS)}")
-    strategies = checked_strategies(parser, args)
+    return checked_strategies(parser, args)
+
+
+def main(argv=None) -> int:
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    strategies = check_args(parser, args)
     if args.haystack != "noise":
         ensure_corpus_or_fail(parser, args.haystack, "--haystack")
     from ..eval.passkey import run_strategy
