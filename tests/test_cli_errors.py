@@ -175,7 +175,7 @@ def test_missing_corpus_is_explained_before_the_model_loads(tmp_path, capsys,
     (["profile", "--topk", "2"], "--topk 2: use a fraction of the keys in (0, 1]"),
     (["calibrate", "--out", "/no/such/dir/p.json"], "--out /no/such/dir/p.json: folder"),
     (["calibrate", "--corpus", "gutenberg"], "--corpus gutenberg: unknown corpus"),
-    # Each of these once ended in a traceback, some after minutes of work.
+    # Mistakes that would otherwise fail deep inside a run, some after minutes of work.
     (["ppl", "--max-kv", "-1", "-n", "1", "--seq-len", "64"],
      "--max-kv-size -1: a budget is the tokens a layer holds: use 1 or more"),
     (["passkey", "--budgets", "0", "--contexts", "256", "--trials", "1"],

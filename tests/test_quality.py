@@ -89,8 +89,6 @@ def test_small_run_flags_shrink_the_protocol(tmp_path, monkeypatch, capsys):
     """--models / --corpora / -n / --sequence-length / --max-kv-size: a run of
     one model, one corpus, 2 windows of 40 tokens at 20 (the set has 2 x 3 x 10
     x 512 at 256); its units are those of the matching `mlx-h2o ppl` run."""
-    import time
-
     from mlx_h2o.cli import ppl, quality
 
     seen = []
@@ -103,9 +101,7 @@ def test_small_run_flags_shrink_the_protocol(tmp_path, monkeypatch, capsys):
     argv = ["quality", "--models", "gemma3-270m", "--corpora", "sharegpt", "-n", "2",
             "--sequence-length", "40", "--max-kv-size", "20", "--results-dir", str(tmp_path),
             "--no-progress"]
-    tic = time.perf_counter()
     assert cli_main(argv) == 0
-    assert time.perf_counter() - tic < 60  # the set's smallest run took 13.5 minutes
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].endswith("n=2 seq_len=40 prefill=32 max_kv=20")
     out = json.loads(lines[-1])
