@@ -31,7 +31,7 @@ openblas:
 demo: install
 	$(PRELOAD) $(PY) -m mlx_h2o generate \
 		--prompt "$$(cat docs/demo_prompt.txt)" --max-tokens 80 \
-		--h2o-max-size 128 --h2o-sink-size 4 --h2o-recent-budget 64
+		--max-kv-size 128 --h2o-sink-size 4 --h2o-recent-budget 64
 
 test: install
 	$(PRELOAD) $(PY) -m pytest $(PYTEST_ARGS)
@@ -43,8 +43,8 @@ swift:
 	cd swift && swift build && swift test
 
 # Evaluation (benchmarks/eval/README.md): paper-protocol perplexity and interleaved speed runs.
-PPL_ARGS ?= --model smollm2-135m --corpus austen -n 10 --seq-len 512 --max-kv 256
-BENCH_ARGS ?= --model smollm2-135m -p 512 -g 128 --max-kv 256 -n 3
+PPL_ARGS ?= --model smollm2-135m --corpus austen -n 10 --sequence-length 512 --max-kv-size 256
+BENCH_ARGS ?= --model smollm2-135m -p 512 -g 128 --max-kv-size 256 -n 3
 
 ppl: install
 	$(PRELOAD) nice -n 5 $(PY) -m mlx_h2o ppl $(PPL_ARGS)

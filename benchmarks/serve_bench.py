@@ -165,7 +165,7 @@ def server_configs(args, model: Path):
         "-m", "mlx_lm", "server", "--model", str(model), *common]}]
     for b in args.budgets:
         configs.append({"name": f"h2o-{b}", "budget": b, "argv": [
-            "-m", "mlx_h2o", "serve", *h2o_model, "--h2o-max-size", str(b), *common,
+            "-m", "mlx_h2o", "serve", *h2o_model, "--max-kv-size", str(b), *common,
             *shlex.split(args.h2o_args)]})
     return configs
 
@@ -186,7 +186,7 @@ def setup_arg_parser():
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated a request")
     p.add_argument("--budgets", type=int, nargs="*", default=[256, 1024],
-                   help="--h2o-max-size of each mlx-h2o server")
+                   help="--max-kv-size of each mlx-h2o server")
     p.add_argument("--rounds", type=int, default=3, help="timed loads a server (>= 3)")
     p.add_argument("--interleave", action="store_true",
                    help="restart (and warm) every server for each round, rotating their order")

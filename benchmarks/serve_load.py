@@ -282,7 +282,8 @@ def measure(results, ready, peak, serve_peak, gpu):
            "gpu_peak_mb": gpu}
     if h2o:
         rec.update(kv_mb=statistics.median(h["kv_bytes"] for h in h2o) / MB,
-                   kvcache_mb=statistics.median(h["unbounded_kv_bytes"] for h in h2o) / MB,
+                   kvcache_mb=statistics.median(h["kvcache_allocated_bytes"] for h in h2o)
+                   / MB,
                    tokens_kept=max(h["tokens_kept"] for h in h2o),
                    tokens_seen=max(h["tokens_seen"] for h in h2o),
                    batch_rows=max(h["batch_rows"] for h in h2o), h2o=h2o[0])

@@ -26,9 +26,8 @@ def median(values):
 
 def kv_bound(h2o, budget, layers, kv_heads):
     """Bytes a request may hold at ``budget`` tokens a layer: K/V (the per-token
-    size from ``unbounded_kv_bytes``, at KVCache's 256-slot steps) + 12 a head."""
-    slots = -(-h2o["tokens_seen"] // 256) * 256
-    token_bytes = h2o["unbounded_kv_bytes"] / (layers * slots)
+    size from ``kvcache_bytes``, KVCache's for exactly the tokens seen) + 12 a head."""
+    token_bytes = h2o["kvcache_bytes"] / (layers * h2o["tokens_seen"])
     return budget * layers * (token_bytes + 12 * kv_heads)
 
 

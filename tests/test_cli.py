@@ -1,12 +1,11 @@
 """`mlx-h2o generate`: flags, a real run on the default model; cache stats."""
 
-import re
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import load_prompt_cache as load_mlx_lm_cache
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from tiny_models import VOCAB, tiny_gemma3, tiny_llama
 
 import mlx_h2o
@@ -37,7 +36,7 @@ def test_h2o_flags_build_the_config():
     assert h2o_config_from_args(parse("--h2o-evict-batch", "16")).evict_batch == 16
     with pytest.raises(ValueError, match="evict_batch"):  # more than the 128 heavy slots
         h2o_config_from_args(parse("--h2o-evict-batch", "129"))
-    assert h2o_value(parse(), "h2o_layer_budget") == "auto"
+    assert h2o_value(parse(), "h2o_layer_budget") == "uniform"
     assert parse("--h2o-layer-budget", "uniform").h2o_layer_budget == "uniform"
     # Every mlx_lm.generate flag is still there.
     args = parse("--temp", "0.7", "--top-k", "5", "--prefill-step-size", "64", "--max-kv-size", "9")
@@ -63,30 +62,41 @@ def test_conflicting_budgets_are_refused():
 def test_unknown_command(capsys):
     assert cli_main(["nope"]) == 2
     assert "unknown command" in capsys.readouterr().err
-    assert cli_main([]) == 0 and "generate" in capsys.readouterr().out
+    assert cli_main([]) == 2  # a missing command is a usage error, as in argparse
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("usage: mlx-h2o <command>") and "generate" in err
+    assert cli_main(["--help"]) == 0 and "usage: mlx-h2o" in capsys.readouterr().out
 
 
 @pytest.mark.real_model
 def test_generate_on_default_model_evicts(capsys):
     prompt = (Path(__file__).parents[1] / "docs" / "demo_prompt.txt").read_text()
     assert cli_main(["generate", "--prompt", prompt, "--max-tokens", "12",
-                     "--h2o-max-size", "96"]) == 0
+                     "--max-kv-size", "96"]) == 0
     out = capsys.readouterr().out
-    line = next(l for l in out.splitlines() if "H2O cache (sums over 30 layers)" in l)
-    seen, kept, evicted = map(int, re.search(r"seen (\d+) = kept (\d+) \+ evicted (\d+)",
-                                             line).groups())
-    assert seen == kept + evicted and evicted > 0
-    # --h2o-layer-budget auto (default): the shipped profile's per-layer sizes,
-    # whose mean is --h2o-max-size
-    assert "Layer budget (auto): max_size 48..131 per layer, mean 96" in out
-    assert "total 2880 over 30 layers" in out and "kept 48..131" in line
-    assert "for mlx-lm's KVCache at 512 slots a layer" in line  # 331 tokens
+    # 331 tokens through each of SmolLM2's 30 layers (3 KV heads of 64 float32s:
+    # K+V 1,536 bytes a token and layer, 46,080 over the layers), 96 kept in each.
+    line = next(l for l in out.splitlines() if l.startswith("Prompt: ") and "H2O" in l)
+    assert ("H2O cache (tokens a layer, mean over 30 layers): seen 331 = kept 96 + "
+            "evicted 235; budget 96 a layer") in line
+    held, exact, allocated = 30 * 96 * (1536 + 3 * 12), 331 * 46080, 512 * 46080
+    assert (f"KV {held / 2**20:.2f} MiB ({exact / held:.2f}x less); mlx-lm's KVCache: "
+            f"{exact / 2**20:.2f} MiB for the 331 tokens ({allocated / 2**20:.2f} MiB "
+            "allocated in 256-token steps)") in line
+    assert "Layer budget (uniform): 96 tokens in every layer" in out
+    # The shipped profile on request: the same memory, shared unevenly.
+    assert cli_main(["generate", "--prompt", prompt, "--max-tokens", "1", "--max-kv-size",
+                     "96", "--h2o-layer-budget", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert ("Layer budget (auto): 48..131 tokens a layer, mean 96 (--max-kv-size), total "
+            "2880 over 30 layers; the smallest evict past 48 tokens") in out
+    assert "kept 96 (48..131 by layer)" in out and "budget 48..131, mean 96 a layer" in out
 
 
 @pytest.mark.real_model
 def test_generate_verbose_false_prints_only_the_text(capsys):
     assert cli_main(["generate", "--prompt", "Hello", "--max-tokens", "5", "--verbose",
-                     "False", "--h2o-max-size", "16"]) == 0
+                     "False", "--max-kv-size", "16"]) == 0
     out = capsys.readouterr().out
     assert out.strip() and "H2O cache" not in out and "Layer budget" not in out
     assert "tokens-per-sec" not in out
@@ -99,6 +109,12 @@ def _run(model, cache, tokens, prefill):
             model(tokens[:, t : t + 1], cache=cache)
 
 
+def _held_bytes(c) -> int:
+    """K/V bytes of the tokens an mlx-lm cache holds (a RotatingKVCache: its window)."""
+    n = min(c.offset, c.max_size) if isinstance(c, RotatingKVCache) else c.offset
+    return n * (c.keys.nbytes + c.values.nbytes) // c.keys.shape[2]
+
+
 @pytest.mark.parametrize("builder", [tiny_llama, tiny_gemma3])
 @pytest.mark.parametrize("prefill, decode", [(20, 3), (256, 1), (10, 260)])
 def test_stats_add_up_and_match_what_mlx_lm_holds(builder, prefill, decode):
@@ -109,13 +125,14 @@ def test_stats_add_up_and_match_what_mlx_lm_holds(builder, prefill, decode):
     _run(model, plain, tokens, prefill)
     _run(model, h2o, tokens, prefill)
     stats = cache_stats(h2o)
-    assert stats.unbounded_kv_bytes == sum(c.nbytes for c in plain)  # preallocation included
+    # what mlx-lm's caches allocate, and the K/V they hold for the tokens
+    assert stats.kvcache_allocated_bytes == sum(c.nbytes for c in plain)
+    assert stats.kvcache_bytes == sum(_held_bytes(c) for c in plain)
     for seen, kept, evicted in zip(stats.layer_seen, stats.layer_kept, stats.layer_evicted):
         assert seen == kept + evicted == prefill + decode
-    n = len(h2o)
-    kept = sum(stats.layer_kept)
-    assert (f"seen {n * (prefill + decode)} = kept {kept} + evicted "
-            f"{n * (prefill + decode) - kept}") in stats.summary()
+    assert stats.tokens_seen == prefill + decode
+    assert stats.tokens_kept + stats.tokens_evicted == pytest.approx(stats.tokens_seen)
+    assert f"seen {prefill + decode} = kept {stats.tokens_kept}" in stats.summary()
 
 
 def test_stats_of_a_loaded_cache(tmp_path):
@@ -125,7 +142,8 @@ def test_stats_of_a_loaded_cache(tmp_path):
     save_prompt_cache(str(tmp_path / "c.safetensors"), cache)
     loaded = cache_stats(load_prompt_cache(str(tmp_path / "c.safetensors")))
     before = cache_stats(cache)
-    assert loaded.unbounded_kv_bytes == before.unbounded_kv_bytes > 0
+    assert loaded.kvcache_bytes == before.kvcache_bytes > 0
+    assert loaded.kvcache_allocated_bytes == before.kvcache_allocated_bytes
     assert loaded.summary().split(" | ")[0] == before.summary().split(" | ")[0]
 
 
@@ -134,12 +152,12 @@ def test_cache_prompt_then_generate(tmp_path, capsys):
     h2o, plain = str(tmp_path / "h2o.safetensors"), str(tmp_path / "plain.safetensors")
     prompt = "The lighthouse keeper counted the ships. " * 12
     assert cli_main(["cache_prompt", "--prompt", prompt, "--prompt-cache-file", h2o,
-                     "--h2o-max-size", "32", "--h2o-layer-budget", "uniform"]) == 0
+                     "--max-kv-size", "32"]) == 0
     assert "kept 32 " in capsys.readouterr().out
     assert cli_main(["generate", "--prompt-cache-file", h2o, "--prompt", "How many?",
                      "--max-tokens", "4"]) == 0
     out = capsys.readouterr().out
-    assert f"Layer budget (from {h2o}): uniform, max_size 32 per layer" in out
+    assert f"Layer budget (from {h2o}): 32 tokens in every layer" in out
     # --no-h2o: mlx-lm's own file, which mlx-lm's loader reads
     assert cli_main(["cache_prompt", "--no-h2o", "--prompt", prompt,
                      "--prompt-cache-file", plain]) == 0
@@ -153,8 +171,8 @@ def test_cache_prompt_then_generate(tmp_path, capsys):
 
 def test_cache_prompt_errors(capsys):
     base = ["cache_prompt", "--prompt", "hi", "--prompt-cache-file"]
-    for argv, want in [(base + ["c.safetensors", "--max-kv-size", "9"],
-                        "use --h2o-max-size 9 instead"),
+    for argv, want in [(base + ["c.safetensors", "--max-kv-size", "9", "--h2o-max-size",
+                                "8"], "--max-kv-size 9 and --h2o-max-size 8 (its old"),
                        (base + ["c.bin"], "must end with .safetensors"),
                        (base + ["c.safetensors", "--h2o-recent-budget", "0"],
                         "--h2o-recent-budget must be >= 1")]:

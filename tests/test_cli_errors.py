@@ -3,6 +3,7 @@ exit code 2 (argparse's convention), no traceback, nothing loaded."""
 
 import importlib
 import json
+import re
 import sys
 
 import mlx.core as mx
@@ -28,22 +29,25 @@ def one_line_error(capsys, argv):
 
 
 GENERATE_ERRORS = [
-    (["--h2o-max-size", "-5"], "--h2o-max-size must be >= 1, got -5"),
-    (["--max-kv-size", "64"], "use --h2o-max-size 64 instead, or add --no-h2o"),
+    (["--max-kv-size", "-5"], "--max-kv-size must be >= 1, got -5"),
+    (["--h2o-max-size", "-5"], "--max-kv-size must be >= 1, got -5"),  # the old spelling
+    (["--max-kv-size", "64", "--h2o-max-size", "32"], "--max-kv-size 64 and --h2o-max-size "
+     "32 (its old spelling) disagree: give --max-kv-size only"),
     (["--kv-bits", "8"], "use --h2o-kv-bits 8 instead, or add --no-h2o"),
     (["--kv-bits", "3"], "use --h2o-kv-bits 8 instead"),
     (["--model", "/no/such/model"], "--model /no/such/model: no such folder"),
     (["--model", "./no-such"], "--model ./no-such: no such folder"),
-    (["--no-h2o", "--h2o-max-size", "32"], "--h2o-max-size has no effect with --no-h2o"),
+    (["--no-h2o", "--h2o-max-size", "32"], "--h2o-max-size is the H2O budget: with "
+     "--no-h2o use --max-kv-size 32 (mlx-lm's RotatingKVCache)"),
     (["--no-h2o", "--h2o-kv-bits", "8"], "--h2o-kv-bits has no effect with --no-h2o"),
     (["--h2o-kv-bits", "8", "--h2o-kv-recent-bits", "4", "--h2o-evict-batch", "8"],
      "mixed precision (--h2o-kv-recent-bits) evicts every step"),
     (["--h2o-kv-recent-bits", "4"], "--h2o-kv-recent-bits needs --h2o-kv-bits"),
     (["--h2o-kv-group-size", "32"], "--h2o-kv-group-size needs --h2o-kv-bits"),
-    (["--h2o-max-size", "10", "--h2o-heavy-budget", "5", "--h2o-recent-budget", "5"],
+    (["--max-kv-size", "10", "--h2o-heavy-budget", "5", "--h2o-recent-budget", "5"],
      "--h2o-sink-size + --h2o-heavy-budget + --h2o-recent-budget = 4 + 5 + 5 must equal "
-     "--h2o-max-size=10"),
-    (["--h2o-sink-size", "300"], "--h2o-sink-size=300 leaves no room in --h2o-max-size=256"),
+     "--max-kv-size=10"),
+    (["--h2o-sink-size", "300"], "--h2o-sink-size=300 leaves no room in --max-kv-size=256"),
     (["--h2o-evict-batch", "200"], "--h2o-evict-batch=200 exceeds"),
     (["--h2o-layer-budget", "no-such.json"], "--h2o-layer-budget no-such.json: layer "
      "profile no-such.json does not exist; make a new one with `mlx-h2o calibrate"),
@@ -68,7 +72,7 @@ def test_argparse_errors_keep_a_short_usage(capsys):
 
 
 def test_flagify_maps_every_field_to_its_flag():
-    assert flagify("max_size must be >= 1") == "--h2o-max-size must be >= 1"
+    assert flagify("max_size must be >= 1") == "--max-kv-size must be >= 1"
     assert flagify("recent_bits=4 must be narrower than bits=4") == \
         "--h2o-kv-recent-bits=4 must be narrower than --h2o-kv-bits=4"
     assert flagify("8 bits and the recent window") == "8 bits and the recent window"
@@ -108,13 +112,14 @@ def test_prompt_cache_files_of_the_wrong_kind_are_refused(tmp_path, capsys):
     assert "mlx_lm's save_prompt_cache wrote H2O caches (H2OKVCache)" in refused(
         "--no-h2o", "--prompt-cache-file", broken)
     assert "not a prompt-cache file" in refused("--prompt-cache-file", junk)
-    line = refused("--prompt-cache-file", h2o, "--h2o-max-size", "32")
-    assert "--h2o-max-size has no effect with --prompt-cache-file" in line
+    line = refused("--prompt-cache-file", h2o, "--max-kv-size", "32")
+    assert "--max-kv-size has no effect with --prompt-cache-file" in line
 
 
 # --- evaluation commands -------------------------------------------------------------
 
-EVAL_COMMANDS = ("ppl", "passkey", "bench", "profile", "calibrate", "cache_prompt")
+EVAL_COMMANDS = ("ppl", "quality", "passkey", "retrieval", "bench", "profile", "calibrate",
+                 "cache_prompt")
 
 
 @pytest.mark.parametrize("name", EVAL_COMMANDS)
@@ -170,11 +175,99 @@ def test_missing_corpus_is_explained_before_the_model_loads(tmp_path, capsys,
     (["profile", "--topk", "2"], "--topk 2: use a fraction of the keys in (0, 1]"),
     (["calibrate", "--out", "/no/such/dir/p.json"], "--out /no/such/dir/p.json: folder"),
     (["calibrate", "--corpus", "gutenberg"], "--corpus gutenberg: unknown corpus"),
+    # Mistakes that would otherwise fail deep inside a run, some after minutes of work.
+    (["ppl", "--max-kv", "-1", "-n", "1", "--seq-len", "64"],
+     "--max-kv-size -1: a budget is the tokens a layer holds: use 1 or more"),
+    (["passkey", "--budgets", "0", "--contexts", "256", "--trials", "1"],
+     "--budgets 0: a budget is a fraction of the context in (0, 1] or a number of tokens"),
+    (["cache_prompt", "--prompt-cache-file", "/nonexistent_dir/x.safetensors", "--prompt",
+      "hi"], "--prompt-cache-file /nonexistent_dir/x.safetensors: folder /nonexistent_dir "
+     "does not exist; create it first"),
+    # Every evaluation command checks its numbers before anything loads.
+    (["ppl", "-n", "0"], "--num-samples 0: use a value >= 1"),
+    (["ppl", "--sequence-length", "20"], "--sequence-length 20: a window needs at least "
+     "33 tokens (--prefill 32 plus one decoded)"),
+    (["ppl", "--max-kv-size", "5", "--strategies", "baseline", "h2o-heavy"],
+     "--max-kv-size 5: strategy 'h2o-heavy': recent_budget must be >= 1"),
+    (["passkey", "--depths", "1.5"], "--depths 1.5: a depth is a fraction of the filler"),
+    (["passkey", "--trials", "0"], "--trials 0: use a value >= 1"),
+    (["passkey", "--contexts", "64", "--budgets", "0.05"], "--budgets 0.05 (max_kv 3 at "
+     "context 64): strategy 'rotating' keeps 4 sink tokens: use a budget above 4"),
+    (["retrieval", "--budgets", "-1"], "--budgets -1: a budget is a fraction"),
+    (["retrieval", "--new-tokens", "0"], "--new-tokens 0: use a value >= 1"),
+    (["retrieval", "--prefill-step-size", "0"], "--prefill-step-size 0: use a value >= 1"),
+    (["bench", "--bits", "3"], "--bits 3: quantize a random model to 4 or 8 bits"),
+    (["bench", "--bits", "4"], "--bits quantizes a --random-config model"),
+    (["bench", "-p", "0"], "--prompt-tokens 0: use a value >= 1"),
+    (["bench", "--max-kv-size", "4"], "--max-kv-size 4: strategy 'rotating' keeps 4 sink"),
+    (["profile", "-n", "0"], "--num-samples 0: use a value >= 1"),
+    (["ppl", "--strategies", "h2o-heavy:layer_budget=no-such.json"],
+     "--strategies h2o-heavy:layer_budget=no-such.json: layer profile no-such.json does "
+     "not exist; make a new one with `mlx-h2o calibrate"),
+    (["quality", "-n", "1"], "--num-samples 1: eval set 'evaluation': num_samples must be "
+     ">= 2 (paired standard errors)"),
+    (["quality", "--sequence-length", "128"], "--max-kv-size 256: no strategy evicts in a "
+     "window of --sequence-length 128; use a budget below it"),
+    (["quality", "--max-kv-size", "2"], "--max-kv-size 2: strategy 'rotating' keeps 4"),
 ])
 def test_eval_errors_are_one_line(capsys, no_model, tmp_path, argv, want):
     line = one_line_error(capsys, [*argv, *(["--results-dir", str(tmp_path)]
                                              if argv[0] in ("ppl", "passkey") else [])])
     assert line.startswith(f"mlx-h2o {argv[0]}: error: ") and want in line, line
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("name, extra", [("passkey", []),
+                                         ("retrieval", ["--haystack", "noise"])])
+def test_contexts_too_short_for_their_prompts_are_refused_before_the_model_loads(
+        capsys, no_model, tmp_path, name, extra):
+    """The prompts are built with the model's tokenizer alone, before its weights load."""
+    line = one_line_error(capsys, [name, "--contexts", "10", "--budgets", "8", "--strategies",
+                                   "baseline", "rotating", "--results-dir", str(tmp_path),
+                                   *extra])
+    assert line.startswith(f"mlx-h2o {name}: error: --contexts 10: context_len=10 is ")
+    assert re.search(r"take (\d+) tokens.*use a (longer context|context of at least \1)",
+                     line), line
+    assert list(tmp_path.iterdir()) == []
+
+
+# One name per idea, mlx-lm's: the older spellings still parse, unlisted.
+RENAMED = [("ppl", "--max-kv", "--max-kv-size", "max_kv_size", ["64"], [64]),
+           ("ppl", "--seq-len", "--sequence-length", "sequence_length", ["64"], [64]),
+           ("bench", "--max-kv", "--max-kv-size", "max_kv_size", ["64"], [64]),
+           ("bench", "--prefill-step", "--prefill-step-size", "prefill_step_size", ["64"], 64),
+           ("passkey", "--prefill-step", "--prefill-step-size", "prefill_step_size", ["64"],
+            64),
+           ("retrieval", "--prefill-step", "--prefill-step-size", "prefill_step_size", ["64"],
+            64),
+           ("profile", "--seq-len", "--sequence-length", "sequence_length", ["64"], 64)]
+
+
+@pytest.mark.parametrize("name, old, new, dest, value, parsed", RENAMED)
+def test_old_spellings_parse_and_stay_out_of_help(name, old, new, dest, value, parsed):
+    parser = importlib.import_module(f"mlx_h2o.cli.{name}").setup_arg_parser()
+    assert getattr(parser.parse_args([old, *value]), dest) == parsed
+    assert getattr(parser.parse_args([new, *value]), dest) == parsed
+    assert getattr(parser.parse_args([]), dest) != parsed  # the default is the new flag's
+    text = parser.format_help()
+    assert new in text and f"{old} " not in text and f"{old}\n" not in text
+
+
+@pytest.mark.parametrize("name", ["generate", "cache_prompt", "serve", *EVAL_COMMANDS])
+def test_every_command_speaks_mlx_lms_names(name):
+    text = importlib.import_module(f"mlx_h2o.cli.{name}").setup_arg_parser().format_help()
+    words = set(text.replace(",", " ").replace("[", " ").replace("]", " ").split())
+    assert not words & {"--max-kv", "--seq-len", "--prefill-step", "--h2o-max-size"}
+    takes_a_budget = name in ("generate", "cache_prompt", "serve", "ppl", "quality", "bench")
+    assert ("--max-kv-size" in words) == takes_a_budget
+
+
+def test_the_old_budget_flag_of_generate_still_sets_the_budget():
+    from mlx_h2o.cli.generate import h2o_config_from_args, setup_arg_parser
+
+    parse = setup_arg_parser().parse_args
+    assert h2o_config_from_args(parse(["--h2o-max-size", "48"])).max_size == 48
+    assert h2o_config_from_args(parse(["--max-kv-size", "48"])).max_size == 48
 
 
 def test_plots_without_matplotlib_say_how_to_get_them(monkeypatch, capsys):
@@ -214,9 +307,9 @@ def test_ppl_writes_its_plot(tmp_path, monkeypatch):
     monkeypatch.setattr(ppl, "ensure_corpus_or_fail", lambda parser, name: None)
     monkeypatch.setattr(ppl, "load_data", lambda tok, args: {
         48: mx.random.randint(0, 1000, (1, 48), key=mx.random.key(0))})
-    assert cli_main(["ppl", "-n", "1", "--seq-len", "48", "--max-kv", "32", "--prefill",
-                     "16", "--strategies", "baseline", "rotating", "--results-dir",
-                     str(tmp_path), "--no-progress"]) == 0
+    assert cli_main(["ppl", "-n", "1", "--sequence-length", "48", "--max-kv-size", "32",
+                     "--prefill", "16", "--strategies", "baseline", "rotating",
+                     "--results-dir", str(tmp_path), "--no-progress"]) == 0
     (folder,) = tmp_path.glob("ppl/*")
     assert sorted(p.name for p in folder.glob("*.png")) == ["ppl_L48.png"]
     assert (folder / "summary.json").is_file()

@@ -44,7 +44,7 @@ QWEN2 = dict(model_type="qwen2", hidden_size=64, num_hidden_layers=4, intermedia
              tie_word_embeddings=True)
 TEXT = ("the cat sat on a mat while seven dogs ran over green hills near old river towns "
         "and every child sang songs about bright stars the cat sat on a mat")
-H2O_FLAGS = ["--h2o-max-size", "16", "--h2o-sink-size", "2", "--h2o-layer-budget", "uniform"]
+H2O_FLAGS = ["--max-kv-size", "16", "--h2o-sink-size", "2"]
 
 pytestmark = pytest.mark.skipif(
     not (LAUNCH.exists() and mx.distributed.is_available("ring")),

@@ -70,24 +70,39 @@ def test_rope_offset_counts_tokens_after_eviction():
 
 
 def test_evicting_run_differs_but_stays_bounded():
-    model = tiny_llama()
+    model = tiny_llama()  # 2 layers, 2 KV heads of 16 float32s: K+V 256 bytes a token
     tokens = mx.random.randint(0, VOCAB, (1, 80))
     cache = make_h2o_cache(model, H2OConfig(max_size=24, heavy_budget=10))
     run(model, cache, tokens, 40, chunk=16)
     stats = cache_stats(cache)
-    assert (stats.tokens_seen, stats.tokens_kept, stats.tokens_evicted) == (80, 24, 56)
-    assert stats.kv_bytes < stats.unbounded_kv_bytes
-    assert f"({stats.unbounded_kv_bytes / stats.kv_bytes:.2f}x smaller)" in stats.summary()
+    assert (stats.layers, stats.tokens_seen, stats.tokens_kept, stats.tokens_evicted) == (
+        2, 80, 24, 56)
+    # 24 slots a layer of K+V and 12 bytes of position and scores a KV head;
+    # mlx-lm's KVCache: the 80 tokens, allocated as one 256-token step.
+    assert stats.kv_bytes == 2 * 24 * (256 + 2 * 12) == 13440
+    assert (stats.kvcache_bytes, stats.kvcache_allocated_bytes) == (2 * 80 * 256, 2 * 256 * 256)
+    assert stats.summary() == (
+        "H2O cache (tokens a layer, mean over 2 layers): seen 80 = kept 24 + evicted 56; "
+        "budget 24 a layer | KV 13.1 KiB (3.05x less); mlx-lm's KVCache: 40.0 KiB for "
+        "the 80 tokens (128.0 KiB allocated in 256-token steps)")
+    assert stats.usage() == {
+        "layers": 2, "tokens_seen": 80, "tokens_kept": 24, "tokens_evicted": 56,
+        "max_kv_size": 24, "layer_max_size": [24, 24], "kv_bytes": 13440,
+        "kvcache_bytes": 40960, "kvcache_allocated_bytes": 131072}
 
 
-def test_summary_of_a_cache_below_its_budget_says_larger():
+def test_summary_of_a_cache_below_its_budget_has_no_ratio():
+    """Nothing evicted: the cache holds what KVCache would (its buffers grow in
+    256-slot steps too), so no "x less" / "x more"."""
     model = tiny_llama()
     cache = make_h2o_cache(model, H2OConfig(max_size=512, heavy_budget=200))
     run(model, cache, mx.random.randint(0, VOCAB, (1, 20)), 4)
     stats = cache_stats(cache)
-    assert stats.tokens_evicted == 0 and stats.kv_bytes > stats.unbounded_kv_bytes
-    want = f"({stats.kv_bytes / stats.unbounded_kv_bytes:.2f}x larger)"
-    assert want in stats.summary() and "smaller" not in stats.summary()
+    assert (stats.tokens_seen, stats.tokens_kept, stats.tokens_evicted) == (20, 20, 0)
+    assert (stats.kv_bytes, stats.kvcache_bytes, stats.kvcache_allocated_bytes) == (
+        2 * 256 * (256 + 2 * 12), 2 * 20 * 256, 2 * 256 * 256)
+    assert stats.memory() == ("KV 140.0 KiB, nothing evicted; mlx-lm's KVCache: 10.0 KiB "
+                              "for the 20 tokens (128.0 KiB allocated in 256-token steps)")
 
 
 def test_routing_is_reversible():

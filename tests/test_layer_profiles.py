@@ -106,8 +106,10 @@ def test_auto_uses_the_profile_of_a_packaged_model(tmp_path, monkeypatch):
     model = as_packaged(tiny_llama(num_hidden_layers=3), "tiny", [1.0, 3.0, 2.0],
                         tmp_path, monkeypatch)
     cfg = H2OConfig(max_size=32, sink_size=2, heavy_budget=16)
-    sizes = [c.max_size for c in make_h2o_cache(model, cfg)]
+    sizes = [c.max_size for c in make_h2o_cache(model, cfg, layer_budget="auto")]
     assert sizes == layer_sizes([1.0, 3.0, 2.0], (None,) * 3, 32, 2) == [16, 48, 32]
+    # the default: max_size in every layer, so nothing is evicted before max_size tokens
+    assert [c.max_size for c in make_h2o_cache(model, cfg)] == [32] * 3
     assert [c.max_size for c in make_h2o_cache(model, cfg, layer_budget="uniform")] == [32] * 3
     # total memory: the uniform budget's
     assert sum(sizes) == 3 * cfg.max_size
@@ -125,8 +127,8 @@ def test_packaged_name_with_a_wrong_layer_count_is_refused(tmp_path, monkeypatch
     other = tiny_llama(num_hidden_layers=2)
     setattr(other, PACKAGED_ATTR, "tiny")
     with pytest.raises(ValueError, match="3 attention layers, the model 2.*calibrate"):
-        make_h2o_cache(other, H2OConfig(max_size=16))
-    assert len(make_h2o_cache(model, H2OConfig(max_size=16))) == 3
+        make_h2o_cache(other, H2OConfig(max_size=16), layer_budget="auto")
+    assert len(make_h2o_cache(model, H2OConfig(max_size=16), layer_budget="auto")) == 3
 
 
 def test_profile_must_match_sliding_windows():
@@ -141,7 +143,7 @@ def test_layer_sizes_and_layer_budget_conflict(tmp_path):
     model = tiny_llama()
     cfg = H2OConfig(max_size=16)
     assert [c.max_size for c in make_h2o_cache(model, cfg, layer_sizes=[8, 24])] == [8, 24]
-    for budget in ("uniform", tmp_path / "p.json"):
+    for budget in ("auto", tmp_path / "p.json"):
         with pytest.raises(ValueError, match="both set the per-layer sizes"):
             make_h2o_cache(model, cfg, layer_sizes=[8, 24], layer_budget=budget)
     with pytest.raises(TypeError, match="layer_budget must be"):
@@ -152,7 +154,7 @@ def test_profile_too_small_for_pinned_names_the_profile(tmp_path, monkeypatch):
     model = as_packaged(tiny_llama(), "tiny", [1.0, 7.0], tmp_path, monkeypatch)
     cfg = H2OConfig(max_size=32, sink_size=2, pinned=((4, 16),))
     with pytest.raises(ValueError, match="layer profile .*layer 0.*layer_budget='uniform'"):
-        make_h2o_cache(model, cfg)
+        make_h2o_cache(model, cfg, layer_budget="auto")
 
 
 # --- bad profile files ----------------------------------------------------------
@@ -226,6 +228,9 @@ def test_calibrate_writes_a_profile_atomically(tmp_path, monkeypatch, capsys):
 
     model = tiny_llama(num_hidden_layers=3)
     monkeypatch.setattr(cli, "load_any", lambda name: (model, None))
+    monkeypatch.chdir(tmp_path)  # --model tiny-path: a model folder, checked before loading
+    (tmp_path / "tiny-path").mkdir()
+    (tmp_path / "tiny-path" / "config.json").write_text("{}")
     monkeypatch.setattr("mlx_h2o.eval.calibrate.layer_weights",
                         lambda m, tok, stat, c=None: (0.5, 0.25, 0.25))
     out = tmp_path / "tiny.json"
@@ -242,7 +247,7 @@ def test_calibrate_writes_a_profile_atomically(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(os, "replace", fail)
     with pytest.raises(RuntimeError):
         cli.main(["--model", "tiny-path", "--out", str(tmp_path / "t2.json")])
-    assert sorted(f.name for f in tmp_path.iterdir()) == ["tiny.json"]
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["tiny-path", "tiny.json"]
     with pytest.raises(SystemExit) as e:  # one line naming --out, exit code 2
         cli.main(["--out", str(tmp_path / "no" / "dir.json")])
     assert e.value.code == 2
@@ -255,7 +260,7 @@ def test_calibrate_writes_a_profile_atomically(tmp_path, monkeypatch, capsys):
 def test_exact_when_nothing_is_evicted(tmp_path, monkeypatch):
     model = as_packaged(tiny_llama(num_hidden_layers=3), "tiny", [1.0, 3.0, 2.0],
                         tmp_path, monkeypatch)
-    cache = make_h2o_cache(model, H2OConfig(max_size=48))  # sizes 24, 72, 48
+    cache = make_h2o_cache(model, H2OConfig(max_size=48), layer_budget="auto")  # 24, 72, 48
     assert min(c.max_size for c in cache) == 24
     tokens = mx.random.randint(0, VOCAB, (2, 24), key=mx.random.key(1))
     ref = run(model, make_prompt_cache(model), tokens, 8)
@@ -266,16 +271,33 @@ def test_exact_when_nothing_is_evicted(tmp_path, monkeypatch):
     assert all(c.evicted == 0 for c in cache)
 
 
+def test_stats_under_a_profile_are_means_over_layers(tmp_path, monkeypatch):
+    model = as_packaged(tiny_llama(num_hidden_layers=3), "tiny", [1.0, 3.0, 2.0],
+                        tmp_path, monkeypatch)
+    cache = make_h2o_cache(model, H2OConfig(max_size=48), layer_budget="auto")  # 24, 72, 48
+    run(model, cache, mx.random.randint(0, VOCAB, (1, 40), key=mx.random.key(4)), 8)
+    stats = mlx_h2o.cache_stats(cache)
+    assert (stats.layer_kept, stats.layer_evicted) == ((24, 40, 40), (16, 0, 0))
+    # 104 / 3 kept and 16 / 3 evicted a layer: they add up to the 40 tokens seen
+    assert (stats.tokens_seen, stats.tokens_kept, stats.tokens_evicted) == (40, 34.67, 5.33)
+    assert stats.tokens_kept + stats.tokens_evicted == 40
+    assert ("seen 40 = kept 34.67 (24..40 by layer) + evicted 5.33; budget 24..72, mean "
+            "48 a layer") in stats.summary()
+    usage = stats.usage()
+    assert (usage["max_kv_size"], usage["layer_max_size"]) == (48, [24, 72])
+
+
 def test_per_layer_cache_round_trips_and_stats(tmp_path, monkeypatch):
     model = as_packaged(tiny_gemma3(), "tiny", [1.0, 3.0, 2.0], tmp_path, monkeypatch)
     cfg = H2OConfig(max_size=12, sink_size=2)
-    cache = make_h2o_cache(model, cfg)
+    cache = make_h2o_cache(model, cfg, layer_budget="auto")
     sizes = [c.max_size for c in cache]
     assert sizes == layer_sizes([1.0, 3.0, 2.0], (16, 16, None), 12, 2) and len(set(sizes)) > 1
     tokens = mx.random.randint(0, VOCAB, (1, 40), key=mx.random.key(2))
     run(model, cache, tokens, 10)
     stats = mlx_h2o.cache_stats(cache)
-    assert stats.tokens_seen == 40 and stats.tokens_kept == max(sizes)
+    assert stats.layer_kept == tuple(sizes) and sum(sizes) == 3 * 12  # every layer full
+    assert (stats.tokens_seen, stats.tokens_kept, stats.tokens_evicted) == (40, 12, 28)
     file = str(tmp_path / "c.safetensors")
     save_prompt_cache(file, cache)
     loaded = load_prompt_cache(file)
@@ -307,7 +329,7 @@ def test_quantized_cache_type_takes_the_per_layer_sizes(tmp_path, monkeypatch):
     model = as_packaged(tiny_llama(num_hidden_layers=3, head_dim=32), "tiny",
                         [1.0, 3.0, 2.0], tmp_path, monkeypatch)
     qt = quantized_cache_type(QuantConfig(bits=8, group_size=32))
-    cache = make_h2o_cache(model, H2OConfig(max_size=32, sink_size=2), qt)
+    cache = make_h2o_cache(model, H2OConfig(max_size=32, sink_size=2), qt, layer_budget="auto")
     assert [c.max_size for c in cache] == [16, 48, 32]
     assert all(type(c).__name__ == "QuantizedH2OKVCache" for c in cache)
     tokens = mx.random.randint(0, VOCAB, (1, 60), key=mx.random.key(3))
@@ -321,7 +343,7 @@ def test_generate_passes_the_layer_budget(tmp_path, monkeypatch):
     model = as_packaged(tiny_llama(num_hidden_layers=3), "tiny", [1.0, 3.0, 2.0],
                         tmp_path, monkeypatch)
     cfg = H2OConfig(max_size=32, sink_size=2)
-    kwargs = {"layer_budget": "uniform"}
-    assert [c.max_size for c in _h2o_cache(model, None, cfg, kwargs)] == [32] * 3
+    kwargs = {"layer_budget": "auto"}
+    assert [c.max_size for c in _h2o_cache(model, None, cfg, kwargs)] == [16, 48, 32]
     assert kwargs == {}  # not passed on to mlx-lm
-    assert [c.max_size for c in _h2o_cache(model, None, cfg, {})] == [16, 48, 32]
+    assert [c.max_size for c in _h2o_cache(model, None, cfg, {})] == [32] * 3  # uniform

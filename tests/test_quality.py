@@ -1,6 +1,7 @@
 """Named perplexity sets (tuning vs evaluation) and `mlx-h2o quality` on a tiny model."""
 
 import json
+import re
 
 import mlx.core as mx
 import pytest
@@ -27,7 +28,7 @@ def test_set_flags_are_the_ppl_commands():
 
     es = eval_set("evaluation")
     a = ppl.setup_arg_parser().parse_args(es.ppl_args("smollm2-135m", "sharegpt", 1))
-    assert (a.corpus, a.num_samples, a.seq_len, a.max_kv, a.seed, a.prefill) == (
+    assert (a.corpus, a.num_samples, a.sequence_length, a.max_kv_size, a.seed, a.prefill) == (
         "sharegpt", 10, [512], [256], 1, 32)
 
 
@@ -70,8 +71,9 @@ def test_cli_runs_a_set_on_a_tiny_model(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(EVAL_SETS, "tiny", tiny)
     monkeypatch.setattr(quality, "load_model_or_fail", lambda *a, **k: (tiny_llama(), None))
     monkeypatch.setattr(quality, "ensure_corpus_or_fail", lambda *a: None)
-    monkeypatch.setattr(ppl, "load_data", lambda tok, args: {args.seq_len[0]: mx.random.randint(
-        0, VOCAB, (args.num_samples, args.seq_len[0]), key=mx.random.key(len(args.corpus)))})
+    monkeypatch.setattr(ppl, "load_data", lambda tok, args: {
+        args.sequence_length[0]: mx.random.randint(0, VOCAB, (
+            args.num_samples, args.sequence_length[0]), key=mx.random.key(len(args.corpus)))})
     argv = ["quality", "--set", "tiny", "--strategies", "baseline", "rotating",
             "h2o-heavy-tova", "--results-dir", str(tmp_path), "--no-progress"]
     assert cli_main(argv) == 0
@@ -83,9 +85,42 @@ def test_cli_runs_a_set_on_a_tiny_model(tmp_path, monkeypatch, capsys):
     assert len(list(tmp_path.glob("ppl/m-*/"))) == 2  # one `mlx-h2o ppl` folder a corpus
 
 
+def test_small_run_flags_shrink_the_protocol(tmp_path, monkeypatch, capsys):
+    """--models / --corpora / -n / --sequence-length / --max-kv-size: a run of
+    one model, one corpus, 2 windows of 40 tokens at 20 (the set has 2 x 3 x 10
+    x 512 at 256); its units are those of the matching `mlx-h2o ppl` run."""
+    from mlx_h2o.cli import ppl, quality
+
+    seen = []
+    monkeypatch.setattr(quality, "load_model_or_fail",
+                        lambda parser, name, flag: seen.append(name) or (tiny_llama(), None))
+    monkeypatch.setattr(quality, "ensure_corpus_or_fail", lambda *a: None)
+    monkeypatch.setattr(ppl, "load_data", lambda tok, args: {args.sequence_length[0]: (
+        mx.random.randint(0, VOCAB, (args.num_samples, args.sequence_length[0]),
+                          key=mx.random.key(0)))})
+    argv = ["quality", "--models", "gemma3-270m", "--corpora", "sharegpt", "-n", "2",
+            "--sequence-length", "40", "--max-kv-size", "20", "--results-dir", str(tmp_path),
+            "--no-progress"]
+    assert cli_main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].endswith("n=2 seq_len=40 prefill=32 max_kv=20")
+    out = json.loads(lines[-1])
+    assert seen == ["gemma3-270m"]
+    assert [(r["corpus"], r["strategy"]) for r in out["rows"]] == [
+        (c, s) for c in ("sharegpt", "pooled") for s in ("rotating", "h2o-heavy")]
+    (folder,) = tmp_path.glob("ppl/gemma3-270m-sharegpt-decode-*/")
+    units = sorted(p.name for p in folder.glob("*-L*.json"))
+    assert units[0] == "baseline-L40.json" and units[2] == "rotating-kv20-L40.json"
+    assert re.fullmatch(r"h2o-heavy-\w{6}-kv20-L40\.json", units[1]) and len(units) == 3
+
+
 def test_cli_refuses_what_the_set_lacks(capsys):
     for argv, want in ((["--models", "llama"], "models ['llama'] not in the set"),
-                       (["--strategies", "rotating"], "the first must be baseline")):
+                       (["--strategies", "rotating"], "the first must be baseline"),
+                       (["-n", "1"], "num_samples must be >= 2 (paired standard errors)"),
+                       (["--sequence-length", "32"], "more than the set's 32-token prefill"),
+                       (["--sequence-length", "200"], "--max-kv-size 256: no strategy "
+                        "evicts in a window of --sequence-length 200")):
         with pytest.raises(SystemExit):
             cli_main(["quality", *argv])
         err = capsys.readouterr().err.strip()

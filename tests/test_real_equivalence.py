@@ -56,7 +56,33 @@ def test_smollm2_evicting_stays_bounded_and_close(smollm2):
 def test_smollm2_auto_uses_the_shipped_profile(smollm2):
     model, _ = smollm2
     p = shipped_profile("smollm2-135m")
-    cache = make_h2o_cache(model, H2OConfig(max_size=256))
+    cache = make_h2o_cache(model, H2OConfig(max_size=256), layer_budget="auto")
     sizes = [c.max_size for c in cache]
     assert sizes == layer_sizes(p.weights, p.windows, 256, 4) and sum(sizes) == 256 * 30
     assert len(set(sizes)) > 1
+    # The default is uniform, profile or not: max_size in every layer.
+    assert {c.max_size for c in make_h2o_cache(model, H2OConfig(max_size=256))} == {256}
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("question", ["Hello!", "Tell me a joke."])
+def test_generate_equals_mlx_lm_while_the_chat_fits_the_budget(question):
+    """The promise of a budget of N tokens: a chat whose prompt and answer are
+    fewer than N tokens gets mlx-lm's greedy answer, here on the packaged
+    model, which ships a layer profile. (Under that profile, which gives
+    layers 16..88 slots at N = 64, "Tell me a joke." is answered otherwise.)"""
+    import mlx_lm
+
+    from mlx_h2o import generate
+
+    model, tokenizer = load_model("smollm2-135m")
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                           add_generation_prompt=True)
+    cache = make_h2o_cache(model, H2OConfig(max_size=64))
+    n = 64 - 1 - len(prompt)  # the cache holds the prompt and every answer token
+    want = mlx_lm.generate(model, tokenizer, prompt, max_tokens=n)
+    assert generate(model, tokenizer, prompt, max_tokens=n, prompt_cache=cache) == want
+    assert generate(model, tokenizer, prompt, max_tokens=n,
+                    h2o_config=H2OConfig(max_size=64)) == want
+    stats = cache_stats(cache)
+    assert stats.tokens_evicted == 0 and stats.tokens_seen <= 63 and len(want) > 20

@@ -131,7 +131,8 @@ def test_cli_writes_tables_and_heatmaps(tmp_path, monkeypatch, capsys):
             "sentence", "--depths", "0.5", "--budgets", "0.25", "0.5", "--haystack",
             "noise", "--new-tokens", "3", "--strategies", "baseline", "rotating",
             "h2o-heavy-tova", "--results-dir", str(tmp_path), "--no-progress"]
-    monkeypatch.setattr(cli, "check_model_arg", lambda *a: None)
+    monkeypatch.setattr("mlx_h2o.cli.passkey.check_model_arg", lambda *a: None)
+    monkeypatch.setattr(cli, "load_tokenizer_or_fail", lambda *a: CharTokenizer())
     assert cli_main(argv) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [(r["strategy"], r["max_kv"]) for r in out["rows"]] == [
@@ -167,7 +168,8 @@ def test_cli_reports_the_baselines_answers_kept(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(passkey, "run_strategy", run)
     monkeypatch.setattr(cli, "load_model_or_fail", lambda *a, **k: (tiny_llama(),
                                                                     CharTokenizer()))
-    monkeypatch.setattr(cli, "check_model_arg", lambda *a: None)
+    monkeypatch.setattr("mlx_h2o.cli.passkey.check_model_arg", lambda *a: None)
+    monkeypatch.setattr(cli, "load_tokenizer_or_fail", lambda *a: CharTokenizer())
     argv = ["retrieval", "--model", "tiny", "--contexts", "400", "--tasks", "single",
             "--depths", "0.2", "0.8", "--budgets", "0.25", "--haystack", "noise",
             "--new-tokens", "2", "--strategies", "baseline", "h2o-heavy",

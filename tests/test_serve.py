@@ -25,13 +25,15 @@ from mlx.utils import tree_flatten
 
 from tiny_models import tiny_llama
 
-BUDGET = 64  # --h2o-max-size
+BUDGET = 64  # --max-kv-size
 TINY = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
             vocab_size=49152, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True)
 # Per slot and layer: K and V in float32, then position, score and count.
 BUDGET_BYTES = BUDGET * TINY["num_hidden_layers"] * TINY["num_key_value_heads"] * (
     2 * TINY["head_dim"] * 4 + 12)
+# K and V of one token in every layer, float32.
+TOKEN_BYTES = TINY["num_hidden_layers"] * TINY["num_key_value_heads"] * 2 * TINY["head_dim"] * 4
 SERVER_FLAGS = ["--prefill-step-size", "32", "--decode-concurrency", "4",
                 "--prompt-concurrency", "2", "--max-tokens", "12"]
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
@@ -143,8 +145,8 @@ class Server:
 def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     model = str(save_tiny_model(tmp / "tiny"))
-    h2o = Server(["-m", "mlx_h2o", "serve", "--model", model, "--h2o-max-size", str(BUDGET),
-                  "--h2o-layer-budget", "uniform", *SERVER_FLAGS], tmp / "h2o.log")
+    h2o = Server(["-m", "mlx_h2o", "serve", "--model", model, "--max-kv-size", str(BUDGET),
+                  *SERVER_FLAGS], tmp / "h2o.log")
     stock = Server(["-m", "mlx_lm", "server", "--model", model, *SERVER_FLAGS],
                    tmp / "stock.log")
     try:
@@ -162,6 +164,12 @@ def check_bounded(usage):
     h2o = usage["h2o"]
     assert h2o["tokens_kept"] <= BUDGET and h2o["kv_bytes"] <= BUDGET_BYTES
     assert h2o["tokens_seen"] == h2o["tokens_kept"] + h2o["tokens_evicted"]
+    assert (h2o["layers"], h2o["max_kv_size"], h2o["layer_max_size"]) == (2, BUDGET,
+                                                                          [BUDGET] * 2)
+    # mlx-lm's KVCache for the same tokens: exactly, and in 256-token steps
+    seen = h2o["tokens_seen"]
+    assert h2o["kvcache_bytes"] == seen * TOKEN_BYTES
+    assert h2o["kvcache_allocated_bytes"] == -(-seen // 256) * 256 * TOKEN_BYTES
     assert usage["prompt_tokens"] <= h2o["tokens_seen"]
     assert h2o["tokens_seen"] <= usage["prompt_tokens"] + usage["completion_tokens"]
 
@@ -238,9 +246,11 @@ def test_concurrent_clients_join_and_leave(servers):
     (["--kv-bits", "4"], "--kv-bits"),
     (["--h2o-kv-bits", "8"], "--h2o-kv-bits"),
     (["--h2o-evict-batch", "4"], "--h2o-evict-batch"),
-    (["--h2o-max-size", "0"], "--h2o-max-size must be >= 1"),
-    (["--h2o-max-size", "8", "--h2o-sink-size", "8"], "--h2o-sink-size"),
+    (["--max-kv-size", "0"], "--max-kv-size must be >= 1"),
+    (["--h2o-max-size", "0"], "--max-kv-size must be >= 1"),  # its old spelling
+    (["--max-kv-size", "8", "--h2o-sink-size", "8"], "--h2o-sink-size"),
     (["--no-h2o", "--h2o-max-size", "64"], "--no-h2o"),
+    (["--no-h2o", "--max-kv-size", "64"], "mlx_lm.server has no bounded cache"),
     (["--model", "/no/such/folder"], "--model /no/such/folder"),
 ])
 def test_bad_configurations_end_with_one_line(capsys, argv, says):
@@ -259,7 +269,7 @@ def test_serve_takes_every_mlx_lm_server_flag():
     ours = {s for a in serve.setup_arg_parser()._actions for s in a.option_strings}
     theirs = {s for a in serve.mlx_lm_server_parser()._actions for s in a.option_strings}
     assert {"--decode-concurrency", "--prompt-cache-bytes", "--kv-bits"} <= theirs <= ours
-    assert {"--h2o-max-size", "--h2o-score", "--no-h2o"} <= ours
+    assert {"--max-kv-size", "--h2o-max-size", "--h2o-score", "--no-h2o"} <= ours
 
 
 def test_h2o_server_hooks_every_cache_path_and_restores_them():
@@ -320,22 +330,30 @@ def test_seeded_request_is_served_alone_with_h2o(servers):
 # --- the real model -------------------------------------------------------------------------
 @pytest.mark.real_model
 def test_smollm2_served_by_default(tmp_path):
+    """`mlx-h2o serve --max-kv-size 64` with every other default, on the packaged
+    model (which ships a layer profile): a chat whose prompt and answer are
+    fewer than 64 tokens gets stock mlx_lm.server's greedy answer, streamed or
+    not; a longer one is held to 64 tokens a layer."""
     from mlx_h2o.models import resolve_model
 
     flags = ["--max-tokens", "8", "--prefill-step-size", "128"]
-    h2o = Server(["-m", "mlx_h2o", "serve", "--h2o-max-size", "128",
-                  "--h2o-layer-budget", "uniform", *flags], tmp_path / "h2o.log")
+    h2o = Server(["-m", "mlx_h2o", "serve", "--max-kv-size", "64", *flags],
+                 tmp_path / "h2o.log")
     stock = Server(["-m", "mlx_lm", "server", "--model", resolve_model("smollm2-135m"),
                     *flags], tmp_path / "stock.log")
     try:
         h2o.wait_ready(), stock.wait_ready()
-        question = chat("What is the capital of France?")
-        got, want = h2o.ask("chat", question), stock.ask("chat", question)
-        assert got[:2] == want[:2] and got[2]["h2o"]["tokens_evicted"] == 0
+        for question, stream in (("Tell me a joke.", True), ("Hello!", False)):
+            prompt_tokens = stock.ask("chat", chat(question), max_tokens=1)[2]["prompt_tokens"]
+            n = 64 - 1 - prompt_tokens  # prompt and answer: 63 tokens
+            got = h2o.ask("chat", chat(question), stream, max_tokens=n)
+            want = stock.ask("chat", chat(question), stream, max_tokens=n)
+            assert got[:2] == want[:2] and got[2]["h2o"]["tokens_evicted"] == 0
+            assert got[2]["h2o"]["layer_max_size"] == [64, 64]
         prose = (Path(__file__).parent / "data" / "python_docs_prose.txt").read_text()
         long = h2o.ask("chat", chat(prose[:1500] + "\nSummarise this."), max_tokens=6)
         assert long[1] in ("length", "stop") and long[2]["h2o"]["tokens_evicted"] > 0
-        assert long[2]["h2o"]["tokens_kept"] <= 128
+        assert long[2]["h2o"]["tokens_kept"] == 64
     finally:
         h2o.stop()
         stock.stop()

@@ -28,7 +28,10 @@ def _usage() -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     as_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:  # a usage error, as argparse treats a missing argument
+        print(_usage(), file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
     name, rest = argv[0], argv[1:]

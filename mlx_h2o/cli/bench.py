@@ -1,8 +1,8 @@
 """`mlx-h2o bench`: prefill/decode tok/s and peak memory per cache strategy.
 
 Examples:
-    mlx-h2o bench --model smollm2-135m -p 512 -g 128 --max-kv 256
-    mlx-h2o bench --random-config qwen3-8b --bits 4 -p 4096 -g 256 --max-kv 1024
+    mlx-h2o bench --model smollm2-135m -p 512 -g 128 --max-kv-size 256
+    mlx-h2o bench --random-config qwen3-8b --bits 4 -p 4096 -g 256 --max-kv-size 1024
 Prints a config header, one key=value line per trial, a summary table and a
 final JSON line (for scripts).
 """
@@ -10,7 +10,17 @@ final JSON line (for scripts).
 import json
 
 from ..eval.bench import RANDOM_CONFIGS
-from .common import command_parser, load_model_or_fail, strategies_or_fail
+from .common import (
+    add_max_kv_size_arg,
+    add_prefill_step_arg,
+    check_at_least,
+    check_budgets,
+    check_model_arg,
+    command_parser,
+    fail,
+    load_model_or_fail,
+    strategies_or_fail,
+)
 
 COLUMNS = ("strategy", "max_kv", "prefill_tps", "decode_tps", "decode_ratio",
            "prefill_ratio", "decode_spread_pct", "peak_gb", "peak_delta_gb", "kv_mb")
@@ -24,22 +34,41 @@ def setup_arg_parser():
     src.add_argument("--random-config", choices=sorted(RANDOM_CONFIGS),
                      help="random weights with a real model's shapes (speed only)")
     p.add_argument("--bits", type=int, default=0, help="quantize a random model (4, 8)")
-    p.add_argument("--dtype", default="bfloat16", help="random-model dtype")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="random-model dtype")
     p.add_argument("--prompt-tokens", "-p", type=int, default=512,
                    help="random prompt tokens per sequence")
     p.add_argument("--generation-tokens", "-g", type=int, default=128,
                    help="decoded tokens per trial")
     p.add_argument("--batch-size", "-b", type=int, default=1, help="sequences per batch")
-    p.add_argument("--max-kv", type=int, nargs="+", default=[256],
-                   help="KV budget per layer in tokens of the bounded strategies")
+    add_max_kv_size_arg(p)
     p.add_argument("--strategies", nargs="+", default=["baseline", "rotating", "h2o-heavy"],
                    help="names from mlx_h2o.eval.strategies (name:key=value,...)")
     p.add_argument("--num-trials", "-n", type=int, default=3,
                    help="trials per strategy, interleaved")
-    p.add_argument("--prefill-step", type=int, default=2048, help="prompt chunk size")
+    add_prefill_step_arg(p)
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the untimed first trial of each strategy")
     return p
+
+
+def check_args(parser, args) -> list:
+    """The strategies and everything the run needs, before anything loads."""
+    strategies = strategies_or_fail(parser, args.strategies)
+    if args.model is not None:
+        check_model_arg(parser, args.model)
+    if args.bits not in (0, 4, 8):
+        fail(parser, f"--bits {args.bits}: quantize a random model to 4 or 8 bits (0: not)")
+    if args.bits and not args.random_config:
+        fail(parser, "--bits quantizes a --random-config model: add --random-config, "
+             "or drop --bits")
+    for flag, value in (("--prompt-tokens", args.prompt_tokens),
+                        ("--generation-tokens", args.generation_tokens),
+                        ("--batch-size", args.batch_size), ("--num-trials", args.num_trials),
+                        ("--prefill-step-size", args.prefill_step_size)):
+        check_at_least(parser, flag, value, 1)
+    check_budgets(parser, strategies, args.max_kv_size)
+    return strategies
 
 
 def _load(parser, args):
@@ -57,7 +86,7 @@ def _load(parser, args):
 def main(argv=None) -> int:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
-    strategies = strategies_or_fail(parser, args.strategies)
+    strategies = check_args(parser, args)
     import mlx.core as mx
 
     from ..eval.bench import one_trial, summarize
@@ -66,10 +95,11 @@ def main(argv=None) -> int:
 
     model, name = _load(parser, args)
     strategies = [s.calibrated(model) for s in strategies]  # layer budgets: no tokenizer
-    units = [(st, kv) for st in strategies for kv in (args.max_kv if st.bounded else [0])]
+    units = [(st, kv) for st in strategies
+             for kv in (args.max_kv_size if st.bounded else [0])]
     config = {"model": name, "bits": args.bits, "prompt_tokens": args.prompt_tokens,
               "generation_tokens": args.generation_tokens, "batch_size": args.batch_size,
-              "prefill_step": args.prefill_step, "trials": args.num_trials,
+              "prefill_step": args.prefill_step_size, "trials": args.num_trials,
               **machine_info()}
     for k, v in config.items():
         print(f"# {k}={v}")
@@ -77,7 +107,7 @@ def main(argv=None) -> int:
     prompt = mx.random.randint(0, vocab, (args.batch_size, args.prompt_tokens),
                                key=mx.random.key(0))
     run = lambda st, kv: one_trial(model, prompt, st, kv or args.prompt_tokens,  # noqa
-                                   args.generation_tokens, args.prefill_step)
+                                   args.generation_tokens, args.prefill_step_size)
     if not args.no_warmup:
         for st, kv in units:
             run(st, kv)

@@ -1,6 +1,7 @@
 """`mlx-h2o cache_prompt`: mlx_lm.cache_prompt with H2O caches.
 
-Takes every ``mlx_lm.cache_prompt`` flag plus ``--h2o-*``; the file continues
+Takes every ``mlx_lm.cache_prompt`` flag plus ``--h2o-*``; ``--max-kv-size`` is
+the H2O budget (with ``--no-h2o`` mlx-lm's rotating cache size). The file continues
 with ``mlx-h2o generate --prompt-cache-file FILE --prompt "..."`` (the cache
 keeps the budget it was made with). With ``--no-h2o`` it writes mlx-lm's own
 prompt cache, as ``mlx_lm.cache_prompt`` does.
@@ -15,7 +16,7 @@ from typing import List, Optional
 from mlx_lm.cache_prompt import setup_arg_parser as mlx_lm_arg_parser
 
 from ..models import DEFAULT_MODEL
-from .common import check_model_arg, fail, load_model_or_fail
+from .common import check_model_arg, check_out_file, fail, load_model_or_fail
 from .h2o_args import (
     add_h2o_args,
     check_h2o_args,
@@ -47,6 +48,7 @@ def check_args(parser, args):
     if not args.prompt_cache_file.endswith(".safetensors"):
         fail(parser, f"--prompt-cache-file {args.prompt_cache_file}: the file name must end "
              "with .safetensors")
+    check_out_file(parser, "--prompt-cache-file", args.prompt_cache_file)
     config, quant = check_h2o_args(parser, args)
     check_model_arg(parser, args.model)
     return config, quant

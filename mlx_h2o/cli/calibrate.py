@@ -13,7 +13,7 @@ from pathlib import Path
 from ..eval.calibrate import CALIBRATION, DEFAULT_STATISTIC, WEIGHTS
 from ..eval.common import load_any
 from ..eval.results import slug
-from .common import add_model_arg, command_parser, fail
+from .common import add_model_arg, check_model_arg, check_out_file, command_parser, fail
 
 
 def setup_arg_parser():
@@ -35,8 +35,8 @@ def main(argv=None) -> int:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     out = Path(args.out or f"{slug(Path(args.model).name)}.layer-profile.json")
-    if not out.parent.is_dir():
-        fail(parser, f"--out {out}: folder {out.parent} does not exist; create it first")
+    check_out_file(parser, "--out", out)
+    check_model_arg(parser, args.model)
     from ..eval.calibrate import calibration_spec, make_profile
     from ..eval.corpora import CorpusNotFoundError, install_command
     from ..profiles import save_profile

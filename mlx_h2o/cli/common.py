@@ -2,6 +2,7 @@
 checks before anything loads, and plots that matplotlib may be missing for."""
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Optional
@@ -48,12 +49,36 @@ def add_contexts_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def add_prompt_args(parser: argparse.ArgumentParser) -> None:
-    """The retrieval commands' ``--strategies`` and ``--prefill-step``."""
+    """The retrieval commands' ``--strategies`` and ``--prefill-step-size``."""
     parser.add_argument("--strategies", nargs="+",
                         default=["baseline", "rotating", "h2o-heavy"],
                         help="names from mlx_h2o.eval.strategies (name:key=value,...)")
-    parser.add_argument("--prefill-step", type=int, default=2048,
-                        help="prompt chunk size (mlx-lm generate's default is 2048)")
+    add_prefill_step_arg(parser)
+
+
+def add_prefill_step_arg(parser: argparse.ArgumentParser) -> None:
+    """mlx-lm's ``--prefill-step-size`` (``--prefill-step``: its old spelling here)."""
+    parser.add_argument("--prefill-step-size", type=int, default=2048,
+                        help="prompt chunk size in tokens (mlx-lm's default is 2048)")
+    add_alias(parser, "--prefill-step", "prefill_step_size", type=int)
+
+
+def add_max_kv_size_arg(parser: argparse.ArgumentParser, default=(256,)) -> None:
+    """The budgets of the bounded strategies: mlx-lm's ``--max-kv-size``
+    (``--max-kv``: its old spelling here), one or several."""
+    parser.add_argument("--max-kv-size", type=int, nargs="+", default=list(default),
+                        metavar="N", help="KV budget in tokens a layer, one or several (a sweep): "
+                        "rotating keeps the newest, h2o-* evict by score; under a "
+                        "strategy's layer profile (h2o-* on a packaged model) the mean "
+                        "over layers")
+    add_alias(parser, "--max-kv", "max_kv_size", type=int, nargs="+")
+
+
+def add_alias(parser: argparse.ArgumentParser, old: str, dest: str, **kwargs) -> None:
+    """``old``, an earlier spelling of the flag that sets ``dest``: parsed,
+    not shown by --help."""
+    parser.add_argument(old, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
+                        **kwargs)
 
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:
@@ -155,7 +180,8 @@ def save_plot(draw: Callable[..., Path], *args: Any, **kwargs: Any) -> Optional[
 
 def strategies_or_fail(parser, specs) -> list:
     """Parsed ``--strategies``; one calibrated in-process (``layer_budget=invtopk``)
-    needs the calibration corpus, checked here too."""
+    needs the calibration corpus, one with a profile file a readable profile:
+    checked here too."""
     from ..eval.calibrate import CALIBRATION
     from ..eval.strategies import STATISTICS, parse_strategy
 
@@ -168,4 +194,65 @@ def strategies_or_fail(parser, specs) -> list:
         if out[-1].layer_budget in STATISTICS:
             ensure_corpus_or_fail(parser, CALIBRATION["corpus"], f"--strategies {spec}: "
                                   "calibration corpus")
+        elif out[-1].layer_budget.endswith(".json"):
+            from ..profiles import load_profile
+
+            try:
+                load_profile(out[-1].layer_budget)
+            except ValueError as e:
+                fail(parser, f"--strategies {spec}: {e}")
     return out
+
+
+# --- argument checks, before anything loads ---------------------------------------------
+
+
+def check_at_least(parser, flag: str, values, least: int) -> None:
+    """Each of ``values`` (one number or a list) is >= ``least``."""
+    for v in values if isinstance(values, (list, tuple)) else [values]:
+        if v < least:
+            fail(parser, f"{flag} {v:g}: use a value >= {least}")
+
+
+def check_depths(parser, depths) -> None:
+    for d in depths:
+        if not 0 <= d <= 1:
+            fail(parser, f"--depths {d:g}: a depth is a fraction of the filler, in [0, 1]")
+
+
+def check_budgets(parser, strategies, budgets, flag: str = "--max-kv-size") -> None:
+    """Every bounded strategy can be made at every budget: ``budgets`` holds
+    tokens, or (how the user wrote it, tokens) pairs."""
+    for b in budgets:
+        label, kv = b if isinstance(b, tuple) else (b, b)
+        if kv < 1:
+            fail(parser, f"{flag} {label}: a budget is the tokens a layer holds: use 1 or more")
+        for st in strategies:
+            try:
+                st.check_budget(kv)
+            except ValueError as e:
+                fail(parser, f"{flag} {label}: {e}")
+
+
+def check_out_file(parser, flag: str, path) -> None:
+    """A file to write: its folder must exist."""
+    folder = Path(path).expanduser().parent
+    if not folder.is_dir():
+        fail(parser, f"{flag} {path}: folder {folder} does not exist; create it first")
+    if not os.access(folder, os.W_OK):
+        fail(parser, f"{flag} {path}: folder {folder} is not writable; write elsewhere")
+
+
+def load_tokenizer_or_fail(parser, name: Optional[str], flag: str = "--model"):
+    """The model's tokenizer alone (a packaged model is prepared, no weights
+    are loaded): prompts are built, and checked, before the model loads."""
+    from mlx_lm.utils import load_tokenizer
+
+    from ..models import resolve_model
+
+    check_model_arg(parser, name, flag)
+    try:
+        return load_tokenizer(resolve_model(name))  # a hub repo: its tokenizer files only
+    except (OSError, ValueError) as e:
+        first = next((l for l in str(e).splitlines() if l.strip()), type(e).__name__)
+        fail(parser, f"{flag} {name}: could not load its tokenizer ({first})")

@@ -271,7 +271,9 @@ def layer_budget_line(sizes, layer_budget, from_file=None) -> str:
     """``sizes``: each H2O layer's max_size (``CacheStats.layer_budget``)."""
     origin = f"from {from_file}" if from_file else layer_budget
     if len(set(sizes)) == 1:
-        return f"Layer budget ({origin}): uniform, max_size {sizes[0]} per layer"
-    mean = f"mean {sum(sizes) / len(sizes):.0f}" + ("" if from_file else " (--h2o-max-size)")
-    return (f"Layer budget ({origin}): max_size {min(sizes)}..{max(sizes)} per layer, "
-            f"{mean}, total {sum(sizes)} over {len(sizes)} layers")
+        return (f"Layer budget ({origin}): {sizes[0]} tokens in every layer (the output "
+                f"equals mlx-lm's while the sequence has at most {sizes[0]} tokens)")
+    mean = f"mean {sum(sizes) / len(sizes):.0f}" + ("" if from_file else " (--max-kv-size)")
+    return (f"Layer budget ({origin}): {min(sizes)}..{max(sizes)} tokens a layer, {mean}, "
+            f"total {sum(sizes)} over {len(sizes)} layers; the smallest evict past "
+            f"{min(sizes)} tokens")

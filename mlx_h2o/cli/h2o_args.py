@@ -1,5 +1,12 @@
-"""The `--h2o-*` flags shared by `generate` and `cache_prompt`, checked before
-any model loads; config errors in the flags' words (``flagify``)."""
+"""The H2O flags shared by `generate`, `cache_prompt` and `serve`, checked before
+any model loads; config errors in the flags' words (``flagify``).
+
+The budget is mlx-lm's ``--max-kv-size``: in mlx-lm it is the most tokens a
+layer's ``RotatingKVCache`` holds, here the most an H2O cache holds (under the
+default uniform layer budget), the same bound with a policy that keeps heavy
+hitters instead of the newest tokens. With ``--no-h2o`` it is mlx-lm's again.
+``--h2o-max-size`` is its older spelling, accepted and not shown by --help.
+"""
 
 import argparse
 import dataclasses
@@ -11,7 +18,7 @@ from .common import fail
 
 # H2OConfig / QuantConfig fields -> the flags that set them (error messages).
 FIELD_FLAGS = {
-    "max_size": "--h2o-max-size",
+    "max_size": "--max-kv-size",
     "sink_size": "--h2o-sink-size",
     "heavy_budget": "--h2o-heavy-budget",
     "recent_budget": "--h2o-recent-budget",
@@ -30,7 +37,7 @@ H2O_DEFAULTS = {
     "h2o_max_size": 256, "h2o_heavy_budget": None, "h2o_recent_budget": None,
     "h2o_sink_size": 4, "h2o_score": None, "h2o_prefill_window": None,
     "h2o_prefill_pool": None, "h2o_prefill_compact": None, "h2o_evict_batch": None,
-    "h2o_layer_budget": "auto", "h2o_kv_bits": None, "h2o_kv_group_size": 64,
+    "h2o_layer_budget": "uniform", "h2o_kv_bits": None, "h2o_kv_group_size": 64,
     "h2o_kv_recent_bits": None,
 }
 # The library's defaults, named in the help texts.
@@ -39,7 +46,7 @@ _LIB = {f.name: f.default for f in dataclasses.fields(H2OConfig)}
 
 def flagify(message: str) -> str:
     """A config error in the flags' words: ``max_size must be >= 1`` ->
-    ``--h2o-max-size must be >= 1``. Names without an underscore (``bits``,
+    ``--max-kv-size must be >= 1``. Names without an underscore (``bits``,
     ``score``) are replaced only as ``name=`` (they are ordinary words too)."""
     for field, flag in FIELD_FLAGS.items():
         pattern = rf"\b{field}\b" if "_" in field else rf"\b{field}(?==)"
@@ -48,13 +55,24 @@ def flagify(message: str) -> str:
                            "drop --h2o-heavy-budget or --h2o-recent-budget to derive it")
 
 
+MAX_KV_SIZE_HELP = (
+    "KV budget: tokens each attention layer's cache holds at most (default: 256). "
+    "Nothing is evicted, and greedy output equals mlx-lm's (dense K/V), while "
+    "the conversation has at most N tokens. H2O evicts by attention score{no_h2o}. "
+    "Under --h2o-layer-budget auto or a profile, N is the mean over layers "
+    "instead (each layer N/4 to 4N)")
+_ROTATING = "; with --no-h2o mlx-lm's RotatingKVCache keeps the newest N (unset: unbounded)"
+
+
 def add_h2o_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("H2O eviction (every default: mlx_h2o.H2OConfig's)")
-    g.add_argument("--h2o-max-size", type=int, default=None, metavar="N",
-                   help="KV budget in tokens per layer (default: 256). Under "
-                   "--h2o-layer-budget auto (a packaged model) or a profile it is the "
-                   "mean over layers: each layer gets max_size/4..4*max_size, the "
-                   "total is max_size x layers")
+    own = next((a for a in parser._actions if "--max-kv-size" in a.option_strings), None)
+    if own is None:  # mlx_lm.server has no --max-kv-size
+        g.add_argument("--max-kv-size", type=int, default=None, metavar="N",
+                       help=MAX_KV_SIZE_HELP.format(no_h2o=""))
+    else:
+        own.help, own.metavar = MAX_KV_SIZE_HELP.format(no_h2o=_ROTATING), "N"
+    g.add_argument("--h2o-max-size", type=int, default=None, help=argparse.SUPPRESS)
     g.add_argument("--h2o-heavy-budget", type=int, default=None, metavar="N",
                    help="Heavy-hitter slots (default: half of what sinks leave)")
     g.add_argument("--h2o-recent-budget", type=int, default=None, metavar="N",
@@ -77,11 +95,12 @@ def add_h2o_args(parser: argparse.ArgumentParser) -> None:
                    help="A full cache evicts K tokens at once, then appends "
                    "(sliding-window speed; 1 = per-step H2O; default: "
                    f"{_LIB['evict_batch']}; not with --h2o-kv-recent-bits)")
-    g.add_argument("--h2o-layer-budget", default=None, metavar="{auto,uniform,PATH}",
-                   help="Share the budget between layers: 'auto' = the shipped layer "
-                   "profile of a packaged model, else uniform; 'uniform' = max_size in "
-                   "every layer; or a profile file from `mlx-h2o calibrate` "
-                   "(default: auto)")
+    g.add_argument("--h2o-layer-budget", default=None, metavar="{uniform,auto,PATH}",
+                   help="How the budget is shared between layers: 'uniform' = "
+                   "--max-kv-size in every layer (default); 'auto' = the shipped layer "
+                   "profile of a packaged model (else uniform); or a profile file from "
+                   "`mlx-h2o calibrate`. A profile keeps the memory of --max-kv-size "
+                   "tokens a layer but gives some layers fewer, which evict sooner")
     g.add_argument("--h2o-kv-bits", type=int, choices=(4, 8), default=None,
                    help="Quantize the kept K/V (QuantizedH2OKVCache; default: dense)")
     g.add_argument("--h2o-kv-group-size", type=int, choices=(32, 64, 128), default=None,
@@ -94,8 +113,33 @@ def add_h2o_args(parser: argparse.ArgumentParser) -> None:
 
 
 def given_h2o_flags(args) -> list:
-    """The --h2o-* flags given on the command line (their values are not None)."""
-    return ["--" + d.replace("_", "-") for d in H2O_DEFAULTS if getattr(args, d) is not None]
+    """The H2O flags given on the command line (their values are not None)."""
+    return [_DEST_FLAGS.get(d, "--" + d.replace("_", "-")) for d in H2O_DEFAULTS
+            if getattr(args, d) is not None]
+
+
+_DEST_FLAGS = {"h2o_max_size": "--max-kv-size"}  # the budget's canonical flag
+
+
+def take_max_kv_size(parser, args, rotating: bool = True) -> None:
+    """``--max-kv-size`` (or its old spelling ``--h2o-max-size``) becomes the H2O
+    budget (``args.h2o_max_size``); with --no-h2o it stays mlx-lm's
+    RotatingKVCache size (``rotating``: the command has one)."""
+    n, old = args.max_kv_size, args.h2o_max_size
+    if n is not None and old is not None and n != old:
+        fail(parser, f"--max-kv-size {n} and --h2o-max-size {old} (its old spelling) "
+             "disagree: give --max-kv-size only")
+    if args.no_h2o:
+        if old is not None:
+            fail(parser, f"--h2o-max-size is the H2O budget: with --no-h2o use "
+                 f"--max-kv-size {old} (mlx-lm's RotatingKVCache)" if rotating else
+                 "--h2o-max-size has no effect with --no-h2o: drop one of them")
+        if n is not None and not rotating:
+            fail(parser, f"--max-kv-size {n} has no effect with --no-h2o (mlx_lm.server "
+                 "has no bounded cache): drop one of them")
+        return
+    if n is not None:
+        args.h2o_max_size, args.max_kv_size = n, None
 
 
 def h2o_value(args, dest: str):
@@ -112,8 +156,9 @@ def h2o_config_from_args(args) -> Optional[H2OConfig]:
                    prefill_pool=args.h2o_prefill_pool,
                    prefill_compact=args.h2o_prefill_compact,
                    evict_batch=args.h2o_evict_batch)
+    budget = h2o_value(args, "h2o_max_size") if args.max_kv_size is None else args.max_kv_size
     return H2OConfig(
-        max_size=h2o_value(args, "h2o_max_size"), sink_size=h2o_value(args, "h2o_sink_size"),
+        max_size=budget, sink_size=h2o_value(args, "h2o_sink_size"),
         heavy_budget=args.h2o_heavy_budget, recent_budget=args.h2o_recent_budget,
         **{k: v for k, v in options.items() if v is not None},
     )
@@ -133,13 +178,11 @@ def quant_config_from_args(args):
 
 
 def check_mlx_lm_cache_flags(parser, args) -> None:
-    """mlx-lm's own cache flags (--max-kv-size, --kv-bits) need --no-h2o."""
+    """--max-kv-size is the H2O budget (``take_max_kv_size``); mlx-lm's
+    --kv-bits needs --no-h2o."""
+    take_max_kv_size(parser, args)
     if args.no_h2o:
         return
-    if args.max_kv_size is not None:
-        fail(parser, f"--max-kv-size bounds mlx-lm's RotatingKVCache, but H2O (on by "
-             f"default) bounds the cache: use --h2o-max-size {args.max_kv_size} instead, "
-             "or add --no-h2o for mlx-lm's rotating cache")
     if args.kv_bits is not None:
         bits = args.kv_bits if args.kv_bits in (4, 8) else 8
         fail(parser, f"--kv-bits quantizes mlx-lm's cache: for a quantized H2O cache use "

@@ -17,10 +17,15 @@ from .common import (
     add_model_arg,
     add_output_args,
     add_prompt_args,
+    check_at_least,
+    check_budgets,
+    check_depths,
     check_model_arg,
     command_parser,
+    fail,
     has_matplotlib,
     load_model_or_fail,
+    load_tokenizer_or_fail,
     save_plot,
     strategies_or_fail,
 )
@@ -49,45 +54,100 @@ def budget_label(budget: float) -> str:
     return f"max_kv={budget:g}x context" if budget <= 1 else f"max_kv={budget:g}"
 
 
+def check_budget_args(parser, args, strategies) -> None:
+    """``--budgets`` (with ``--contexts``) that every strategy can run, and the
+    retrieval commands' counts: before anything loads."""
+    from ..eval.passkey import budget_tokens
+
+    check_at_least(parser, "--contexts", args.contexts, 1)
+    check_depths(parser, args.depths)
+    for b in args.budgets:
+        if not b > 0:
+            fail(parser, f"--budgets {b:g}: a budget is a fraction of the context in "
+                 "(0, 1] or a number of tokens above 1")
+    check_budgets(parser, strategies, [
+        (f"{b:g} (max_kv {budget_tokens(b, c)} at context {c})", budget_tokens(b, c))
+        for b in args.budgets for c in args.contexts], "--budgets")
+    check_at_least(parser, "--new-tokens", args.new_tokens, 1)
+    check_at_least(parser, "--batch-size", args.batch_size, 0)
+    check_at_least(parser, "--prefill-step-size", args.prefill_step_size, 1)
+
+
+def prompts_or_fail(parser, make, contexts) -> dict:
+    """{context: prompts}, ``make(context)`` for each; a context too short for
+    its prompts ends the command."""
+    out = {}
+    for ctx in contexts:
+        try:
+            out[ctx] = make(ctx)
+        except ValueError as e:
+            fail(parser, f"--contexts {ctx}: {e}")
+    return out
+
+
+def checked_strategies(parser, args) -> list:
+    """``--model``, ``--strategies`` and the budget arguments, checked."""
+    check_model_arg(parser, args.model)
+    strategies = strategies_or_fail(parser, args.strategies)
+    check_budget_args(parser, args, strategies)
+    return strategies
+
+
+def check_args(parser, args) -> list:
+    """The strategies, once every argument is checked (before anything loads;
+    the contexts against the prompts' lengths come with the tokenizer)."""
+    strategies = checked_strategies(parser, args)
+    check_at_least(parser, "--trials", args.trials, 1)
+    return strategies
+
+
+def units(args, strategies):
+    """(context, budget, strategy, max_kv, result key) in run order; the
+    unbounded baseline once per context."""
+    from ..eval.passkey import budget_tokens
+
+    for ctx in args.contexts:
+        for budget in args.budgets:
+            for st in strategies:
+                if not st.bounded and budget != args.budgets[0]:
+                    continue
+                max_kv = budget_tokens(budget, ctx)
+                key = f"{st.key(max_kv)}-ctx{ctx}" + (f"-b{budget:g}" if st.bounded else "")
+                yield ctx, budget, st, max_kv, key
+
+
 def main(argv=None) -> int:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
-    check_model_arg(parser, args.model)
-    strategies = strategies_or_fail(parser, args.strategies)
+    strategies = check_args(parser, args)
+    from ..eval.passkey import accuracy_grid, make_prompts, run_strategy
+
+    tokenizer = load_tokenizer_or_fail(parser, args.model)
+    grid = prompts_or_fail(parser, lambda ctx: make_prompts(
+        tokenizer, [ctx], args.depths, args.trials, args.seed), args.contexts)
     plots = has_matplotlib(parser.prog)
-    config = {k: getattr(args, k) for k in
-              ("model", "depths", "trials", "prefill_step", "new_tokens", "seed")}
+    config = {"model": args.model, "depths": args.depths, "trials": args.trials,
+              "prefill_step": args.prefill_step_size, "new_tokens": args.new_tokens,
+              "seed": args.seed}
     rdir = ResultsDir(args.results_dir, "passkey", config, ("model",))
     print(f"# mlx-h2o passkey  results={rdir.path}")
     print("# " + " ".join(f"{k}={v}" for k, v in config.items()))
     model, tokenizer = load_model_or_fail(parser, args.model)
-    from ..eval.passkey import accuracy_grid, budget_tokens, make_prompts, run_strategy
-
     strategies = [s.calibrated(model, tokenizer) for s in strategies]
     tic, rows, grids = time.perf_counter(), [], {}
-    for ctx in args.contexts:
-        prompts = make_prompts(tokenizer, [ctx], args.depths, args.trials, args.seed)
-        for budget in args.budgets:
-            for st in strategies:
-                if not st.bounded and budget != args.budgets[0]:
-                    continue  # the unbounded baseline once per context
-                max_kv = budget_tokens(budget, ctx)
-                key = f"{st.key(max_kv)}-ctx{ctx}"
-                key += f"-b{budget:g}" if st.bounded else ""
-                res = rdir.load(key)
-                if res is None:
-                    res = run_strategy(model, tokenizer, prompts, st, max_kv,
-                                       args.prefill_step, args.new_tokens,
-                                       args.batch_size, not args.no_progress)
-                    rdir.save(key, res)
-                label = f"{st.name}, {budget_label(budget)}" if st.bounded else f"{st.name} (unbounded)"
-                grids.setdefault(label, {}).update(accuracy_grid(res))
-                rows.append({"context": ctx, "budget": budget if st.bounded else None,
-                             "max_kv": max_kv if st.bounded else None,
-                             "strategy": st.name, "accuracy": res["accuracy"],
-                             "seconds": res["seconds"]})
-                print(f"ctx={ctx} strategy={st.name} max_kv={rows[-1]['max_kv']} "
-                      f"accuracy={res['accuracy']:.3f} time={res['seconds']:.1f}s")
+    for ctx, budget, st, max_kv, key in units(args, strategies):
+        res = rdir.load(key)
+        if res is None:
+            res = run_strategy(model, tokenizer, grid[ctx], st, max_kv, args.prefill_step_size,
+                               args.new_tokens, args.batch_size, not args.no_progress)
+            rdir.save(key, res)
+        label = f"{st.name}, {budget_label(budget)}" if st.bounded else f"{st.name} (unbounded)"
+        grids.setdefault(label, {}).update(accuracy_grid(res))
+        rows.append({"context": ctx, "budget": budget if st.bounded else None,
+                     "max_kv": max_kv if st.bounded else None, "strategy": st.name,
+                     "accuracy": res["accuracy"], "seconds": res["seconds"]})
+        print(f"ctx={ctx} strategy={st.name} max_kv={rows[-1]['max_kv']} "
+              f"accuracy={res['accuracy']:.3f} time={res['seconds']:.1f}s")
     print()
     print(fmt_table(rows, ("context", "strategy", "budget", "max_kv", "accuracy")))
     summary = {"config": config, "machine": machine_info(), "rows": rows,
@@ -96,8 +156,7 @@ def main(argv=None) -> int:
     if plots:
         from ..eval.plots import plot_heatmaps
 
-        save_plot(plot_heatmaps, grids, args.contexts, args.depths,
-                  rdir.path / "passkey.png",
+        save_plot(plot_heatmaps, grids, args.contexts, args.depths, rdir.path / "passkey.png",
                   title=f"{args.model} passkey accuracy, {args.trials} trial(s) a cell")
     print(json.dumps({"results": str(rdir.path), "rows": rows}))
     return 0

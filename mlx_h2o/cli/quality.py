@@ -2,13 +2,18 @@
 
 Example (the set defaults are never tuned on; both packaged models):
     mlx-h2o quality --set evaluation --strategies baseline rotating h2o-heavy
-Each (model, corpus, seed) is one `mlx-h2o ppl` run with the set's protocol and
-shares its results folder (finished units are skipped). Prints, per model and
+A small run (one model, one corpus, 2 windows of 128 tokens at a 64-token budget):
+    mlx-h2o quality --models smollm2-135m --corpora sharegpt -n 2 \
+        --sequence-length 128 --max-kv-size 64
+Each (model, corpus, seed) is one `mlx-h2o ppl` run with the set's protocol (or
+the one these flags change) and shares its results folder (finished units are
+skipped). Prints, per model and
 corpus and pooled over the corpora, each strategy's PPL change against the
 baseline (paired standard error) and its ratio to the reference strategy's
 change (delta-method se, bootstrap 95% interval); the target ratio is 1/3.
 """
 
+import dataclasses
 import json
 import time
 
@@ -16,6 +21,7 @@ from ..eval.evalsets import EVAL_SETS, eval_set, pooled
 from ..eval.results import machine_info
 from .common import (
     add_output_args,
+    check_budgets,
     command_parser,
     ensure_corpus_or_fail,
     fail,
@@ -39,8 +45,35 @@ def setup_arg_parser():
                    help="names from mlx_h2o.eval.strategies; the first must be baseline")
     p.add_argument("--reference", default="rotating",
                    help="the strategy whose PPL change the others are divided by")
+    p.add_argument("--num-samples", "-n", type=int, default=None,
+                   help="token windows per corpus and seed (default: the set's, 10; "
+                   "at least 2, for paired standard errors)")
+    p.add_argument("--sequence-length", type=int, default=None,
+                   help="tokens per window (default: the set's, 512)")
+    p.add_argument("--max-kv-size", type=int, default=None,
+                   help="KV budget in tokens a layer, below --sequence-length "
+                   "(default: the set's, 256)")
     add_output_args(p)
     return p
+
+
+def _protocol(parser, args, es):
+    """The set with the windows and budget the flags ask for; what cannot run
+    (too few windows, a budget that never evicts) ends the command."""
+    changes = {k: v for k, v in (("num_samples", args.num_samples),
+                                 ("seq_len", args.sequence_length),
+                                 ("max_kv", args.max_kv_size)) if v is not None}
+    try:
+        es = dataclasses.replace(es, **changes)
+    except ValueError as e:
+        fail(parser, f"--num-samples {args.num_samples}: {e}")
+    if es.seq_len <= es.prefill:
+        fail(parser, f"--sequence-length {es.seq_len}: a window needs more than the "
+             f"set's {es.prefill}-token prefill")
+    if es.max_kv >= es.seq_len:
+        fail(parser, f"--max-kv-size {es.max_kv}: no strategy evicts in a window of "
+             f"--sequence-length {es.seq_len}; use a budget below it")
+    return es
 
 
 def _subset(parser, asked, allowed, what):
@@ -63,8 +96,8 @@ def _run_one(es, model, tokenizer, strategies, name, corpus, seed, args):
     rdir = ResultsDir(a.results_dir, "ppl", ppl_cli.run_config(a), ("model", "corpus", "mode"))
     print(f"# {name} {corpus} seed={seed}  results={rdir.path}", flush=True)
     data = ppl_cli.load_data(tokenizer, a)
-    return sweep(model, data, strategies, a.max_kv, rdir, mode="decode", prefill=a.prefill,
-                 show=not args.no_progress)
+    return sweep(model, data, strategies, a.max_kv_size, rdir, mode="decode",
+                 prefill=a.prefill, show=not args.no_progress)
 
 
 def summarize(rows_by_corpus: dict, reference: str) -> list[dict]:
@@ -93,12 +126,13 @@ def summarize(rows_by_corpus: dict, reference: str) -> list[dict]:
 def main(argv=None) -> int:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
-    es = eval_set(args.set)
+    es = _protocol(parser, args, eval_set(args.set))
     models = _subset(parser, args.models, es.models, "models")
     corpora = _subset(parser, args.corpora, es.corpora, "corpora")
     specs = strategies_or_fail(parser, args.strategies)
     if specs[0].bounded:
         fail(parser, "--strategies: the first must be baseline (the unbounded reference)")
+    check_budgets(parser, specs, [es.max_kv])
     for corpus in corpora:
         ensure_corpus_or_fail(parser, corpus, "--corpora")
     print(f"# mlx-h2o quality  set={es.name} models={models} corpora={corpora} "

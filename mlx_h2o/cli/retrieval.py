@@ -6,7 +6,7 @@ Tasks (mlx_h2o/eval/retrieval_data.py): single / multikey / multivalue /
 multiquery key-value needles, a sentence needle, variable tracking and a
 question about a document, in a haystack of essay text, asked through the
 model's chat template where it has one; the prompt is prefilled in chunks of
---prefill-step tokens (mlx-lm's default 2048), the answer decoded greedily.
+--prefill-step-size tokens (mlx-lm's default 2048), the answer decoded greedily.
 Writes <results-dir>/retrieval/<model>-<hash>/: one JSON per finished
 (strategy, context, budget) with every output, summary.json and one heatmap
 PNG per context.
@@ -23,16 +23,15 @@ from .common import (
     add_model_arg,
     add_output_args,
     add_prompt_args,
-    check_model_arg,
     command_parser,
     ensure_corpus_or_fail,
     fail,
     has_matplotlib,
     load_model_or_fail,
+    load_tokenizer_or_fail,
     save_plot,
-    strategies_or_fail,
 )
-from .passkey import budget_label
+from .passkey import budget_label, checked_strategies, prompts_or_fail, units
 
 
 def setup_arg_parser():
@@ -58,56 +57,54 @@ def setup_arg_parser():
     return p
 
 
-def main(argv=None) -> int:
-    parser = setup_arg_parser()
-    args = parser.parse_args(argv)
-    check_model_arg(parser, args.model)
+def check_args(parser, args) -> list:
+    """The strategies, once every argument is checked (before anything loads;
+    the contexts against the prompts' lengths come with the tokenizer)."""
     bad = [t for t in args.tasks if t not in TASKS]
     if bad:
         fail(parser, f"--tasks {' '.join(bad)}: unknown; use some of {' '.join(TASKS)}")
-    strategies = strategies_or_fail(parser, args.strategies)
+    return checked_strategies(parser, args)
+
+
+def main(argv=None) -> int:
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    strategies = check_args(parser, args)
     if args.haystack != "noise":
         ensure_corpus_or_fail(parser, args.haystack, "--haystack")
+    from ..eval.passkey import run_strategy
+    from ..eval.retrieval import haystack_text, make_prompts, task_accuracy
+
+    tokenizer, hay = load_tokenizer_or_fail(parser, args.model), haystack_text(args.haystack)
+    grid = prompts_or_fail(parser, lambda ctx: make_prompts(
+        tokenizer, args.tasks, [ctx], args.depths, args.seed, hay, not args.no_chat),
+        args.contexts)
     plots = has_matplotlib(parser.prog)
-    config = {k: getattr(args, k) for k in ("model", "tasks", "depths", "haystack",
-                                            "prefill_step", "new_tokens", "seed")}
-    config["chat"] = not args.no_chat
+    config = {"model": args.model, "tasks": args.tasks, "depths": args.depths,
+              "haystack": args.haystack, "prefill_step": args.prefill_step_size,
+              "new_tokens": args.new_tokens, "seed": args.seed, "chat": not args.no_chat}
     rdir = ResultsDir(args.results_dir, "retrieval", config, ("model",))
     print(f"# mlx-h2o retrieval  results={rdir.path}")
     print("# " + " ".join(f"{k}={v}" for k, v in config.items()), flush=True)
     model, tokenizer = load_model_or_fail(parser, args.model)
-    from ..eval.passkey import budget_tokens, run_strategy
-    from ..eval.retrieval import haystack_text, make_prompts, task_accuracy
-
     strategies = [s.calibrated(model, tokenizer) for s in strategies]
-    hay = haystack_text(args.haystack)
-    tic, rows = time.perf_counter(), []
-    for ctx in args.contexts:
-        prompts = make_prompts(tokenizer, args.tasks, [ctx], args.depths, args.seed, hay,
-                               not args.no_chat)
-        full = None  # the baseline's result at this context, once it has run
-        for budget in args.budgets:
-            for st in strategies:
-                if not st.bounded and budget != args.budgets[0]:
-                    continue  # the unbounded baseline once per context
-                max_kv = budget_tokens(budget, ctx)
-                key = f"{st.key(max_kv)}-ctx{ctx}" + (f"-b{budget:g}" if st.bounded else "")
-                res = rdir.load(key)
-                if res is None:
-                    res = run_strategy(model, tokenizer, prompts, st, max_kv,
-                                       args.prefill_step, args.new_tokens, args.batch_size,
-                                       not args.no_progress)
-                    rdir.save(key, res)
-                acc = task_accuracy(res)
-                if not st.bounded:
-                    full = res
-                rows.append({"context": ctx, "strategy": st.name,
-                             "budget": budget if st.bounded else None,
-                             "max_kv": max_kv if st.bounded else None, **acc,
-                             **_kept(res, full), "seconds": res["seconds"]})
-                print(f"ctx={ctx} strategy={st.name} max_kv={rows[-1]['max_kv']} "
-                      f"mean={acc['mean']:.3f} " + " ".join(
-                          f"{t}={acc[t]:.2f}" for t in args.tasks), flush=True)
+    tic, rows, full = time.perf_counter(), [], {}  # full: the baseline's result a context
+    for ctx, budget, st, max_kv, key in units(args, strategies):
+        res = rdir.load(key)
+        if res is None:
+            res = run_strategy(model, tokenizer, grid[ctx], st, max_kv, args.prefill_step_size,
+                               args.new_tokens, args.batch_size, not args.no_progress)
+            rdir.save(key, res)
+        acc = task_accuracy(res)
+        if not st.bounded:
+            full[ctx] = res
+        rows.append({"context": ctx, "strategy": st.name,
+                     "budget": budget if st.bounded else None,
+                     "max_kv": max_kv if st.bounded else None, **acc,
+                     **_kept(res, full.get(ctx)), "seconds": res["seconds"]})
+        print(f"ctx={ctx} strategy={st.name} max_kv={rows[-1]['max_kv']} "
+              f"mean={acc['mean']:.3f} " + " ".join(
+                  f"{t}={acc[t]:.2f}" for t in args.tasks), flush=True)
     cols = ("context", "strategy", "budget", "max_kv", *args.tasks, "mean", "kept")
     print()
     print(fmt_table(rows, cols))

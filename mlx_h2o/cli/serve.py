@@ -1,13 +1,14 @@
 """`mlx-h2o serve`: mlx-lm's OpenAI-compatible server with H2O-bounded KV caches.
 
-Takes every ``mlx_lm.server`` flag plus ``--h2o-*``. Each request's KV cache
-holds at most ``--h2o-max-size`` tokens per layer; requests are batched
+Takes every ``mlx_lm.server`` flag plus ``--max-kv-size`` and ``--h2o-*``. Each
+request's KV cache holds at most ``--max-kv-size`` tokens per layer (nothing is
+evicted while a conversation fits); requests are batched
 (continuous batching, BatchH2OKVCache) and finished ones feed the prompt
 cache (LRU) compressed. Without ``--model`` it serves the embedded default
 model. Responses carry ``usage.h2o``: tokens seen / kept / evicted, KV bytes.
 
-  mlx-h2o serve --h2o-max-size 512 --port 8080
-  mlx-h2o serve --model mlx-community/Qwen3-4B-4bit --h2o-max-size 1024
+  mlx-h2o serve --max-kv-size 512 --port 8080
+  mlx-h2o serve --model mlx-community/Qwen3-4B-4bit --max-kv-size 1024
 
 Under ``mlx.launch`` the model is sharded over the ranks as mlx_lm.server
 does it (tensor parallel; ``--pipeline``: pipeline parallel); rank 0 serves
@@ -30,7 +31,7 @@ from ..integration.distributed import (
 )
 from ..models import DEFAULT_MODEL, PACKAGED_MODELS
 from .common import check_model_arg, fail
-from .h2o_args import add_h2o_args, check_h2o_args, flagify, h2o_value
+from .h2o_args import add_h2o_args, check_h2o_args, flagify, h2o_value, take_max_kv_size
 from .ranks import check_rank_args, fail_once, is_distributed
 
 
@@ -68,9 +69,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 def check_args(parser, args):
     """Every user error, before the model loads: the H2OConfig (None: --no-h2o)."""
+    take_max_kv_size(parser, args, rotating=False)
     if args.kv_bits is not None and not args.no_h2o:
         fail(parser, "--kv-bits quantizes mlx-lm's cache and serves one request at a time; "
-             "`mlx-h2o serve` batches dense H2O caches: drop --kv-bits (--h2o-max-size "
+             "`mlx-h2o serve` batches dense H2O caches: drop --kv-bits (--max-kv-size "
              "bounds the memory), or add --no-h2o for mlx-lm's")
     config, quant = check_h2o_args(parser, args)
     if quant is not None:
@@ -146,6 +148,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         provider = H2OModelProvider(args, packaged)
         _load_checked(parser, provider, config, layer_budget, group)
         if group.rank() == 0:
-            logging.info("H2O KV budget: %d tokens per layer (%s)", config.max_size, config)
+            logging.info("H2O KV budget: %d tokens per layer, layer budget %s (%s)",
+                         config.max_size, layer_budget, config)
         run(args.host, args.port, provider, tracker)
     return 0

@@ -46,8 +46,8 @@ class EvalSet:
         """The ``mlx-h2o ppl`` flags of one (model, corpus, seed): its results
         folder is the one that command uses, so finished units are shared."""
         return ["--model", model, "--corpus", corpus, "-n", str(self.num_samples),
-                "--seq-len", str(self.seq_len), "--prefill", str(self.prefill),
-                "--max-kv", str(self.max_kv), "--seed", str(seed)]
+                "--sequence-length", str(self.seq_len), "--prefill", str(self.prefill),
+                "--max-kv-size", str(self.max_kv), "--seed", str(seed)]
 
 
 EVAL_SETS: dict[str, EvalSet] = {

@@ -84,11 +84,14 @@ def make_passkey_prompt_with_layout(
     head = special_prefix(tokenizer) + encode(tokenizer, INTRO)
     needle = encode(tokenizer, NEEDLE.format(key=key))
     question = encode(tokenizer, QUESTION)
-    n_filler = context_len - len(head) - len(needle) - len(question)
-    if n_filler < 0:
+    fixed = len(head) + len(needle) + len(question)
+    if context_len < fixed:
         raise ValueError(
-            f"context_len={context_len} is shorter than the prompt's fixed parts"
+            f"context_len={context_len} is shorter than the prompt's fixed parts: "
+            f"intro, passkey and question take {fixed} tokens; use a longer context "
+            "(filler text brings it to its length)"
         )
+    n_filler = context_len - fixed
     start = int(rng.integers(len(sentences)))
     pad, tokens, bounds = _filler_tokens(tokenizer, sentences, n_filler, start)
     head += pad

@@ -168,7 +168,10 @@ def make_retrieval_prompt(tokenizer: Any, task: str, context_len: int, depth: fl
     needles = [encode(tokenizer, n) for n in spec["needles"]]
     n_fill = context_len - len(head) - len(question) - sum(map(len, needles))
     if n_fill < 8 * len(needles):
-        raise ValueError(f"context_len={context_len} is too short for task {task!r}")
+        least = context_len - n_fill + 8 * len(needles)
+        raise ValueError(f"context_len={context_len} is too short for task {task!r}: its "
+                         "intro, needles, question and some filler take "
+                         f"{least} tokens; use a context of at least {least}")
     sentences = split_sentences(haystack)
     if not sentences:
         raise ValueError("haystack text is empty")

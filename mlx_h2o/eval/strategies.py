@@ -17,9 +17,9 @@ field (``score=normalized``, ``ema_alpha=0.9``, ...). Score-mode shorthands:
 a mode's ``short`` name (mlx_h2o/scores.py) as a suffix, e.g. ``h2o-heavy-acc``,
 ``h2o-heavy-norm`` (any split).
 ``layer_budget`` shares the budget between layers as ``make_h2o_cache`` does:
-``auto`` (the default: the shipped layer profile of a packaged model, else
-uniform), ``uniform`` (max_kv in every layer: the results before per-layer
-budgets), a profile file (``mlx-h2o calibrate``), or a statistic calibrated
+``auto`` (the strategies' default, under which the results were measured: the
+shipped layer profile of a packaged model, else uniform), ``uniform`` (max_kv in
+every layer: ``make_h2o_cache``'s and the commands' default), a profile file (``mlx-h2o calibrate``), or a statistic calibrated
 in-process (``entropy``, ``topk``, ``invtopk``; ``eval/calibrate.py``). An H2O
 strategy must be ``calibrated(model, tokenizer)`` before use (``uniform``
 excepted). Result keys name the resolved budget, not its spelling: ``h2o-heavy``
@@ -82,6 +82,27 @@ class Strategy:
             heavy = int(round(heavy * max_kv)) if heavy < 1 else int(heavy)
         opts = dict(self.options)
         return H2OConfig(max_size=max_kv, sink_size=self.sink, heavy_budget=heavy, **opts)
+
+    def check_budget(self, max_kv: int) -> None:
+        """ValueError naming the fix unless this strategy's cache can be made at
+        ``max_kv`` tokens a layer (no model needed: commands check it first)."""
+        if not self.bounded:
+            return
+        if max_kv < 1:
+            raise ValueError(f"strategy {self.name!r}: a budget is the tokens a layer "
+                             "holds: use 1 or more")
+        if self.kind == "rotating":
+            if max_kv <= self.sink:
+                raise ValueError(f"strategy {self.name!r} keeps {self.sink} sink tokens: "
+                                 f"use a budget above {self.sink}")
+            return
+        try:
+            self.h2o_config(max_kv)
+        except ValueError as e:
+            raise ValueError(f"strategy {self.name!r}: {e}") from None
+        if self.layer_budget != "uniform" and max_kv < self.sink + 2:
+            raise ValueError(f"strategy {self.name!r}: a layer profile needs a budget of "
+                             f"at least sink + 2 = {self.sink + 2}")
 
     def calibrated(self, model, tokenizer=None) -> "Strategy":
         """This strategy with its layer budget resolved for ``model``."""

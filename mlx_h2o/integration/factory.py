@@ -8,6 +8,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache
 
 from .. import budgets
+from ..blas import warn_if_reference_blas
 from ..cache import H2OKVCache
 from ..cache.group import link_layers
 from ..config import H2OConfig, with_max_size
@@ -128,7 +129,7 @@ def make_h2o_cache(
     config: H2OConfig,
     cache_type=H2OKVCache,
     layer_sizes: Optional[Sequence[int]] = None,
-    layer_budget: LayerBudget = "auto",
+    layer_budget: LayerBudget = "uniform",
     decode: str = "auto",
 ) -> List[Any]:
     """The model's prompt cache with every attention cache replaced by an H2O one.
@@ -139,32 +140,36 @@ def make_h2o_cache(
     are kept as the model made them. A model whose attention does not go
     through mlx-lm's routed SDPA is refused (``check_supported``).
 
-    How ``config.max_size`` is shared between the attention layers:
-    ``layer_budget="auto"`` (default): the shipped layer profile when the model
-    is a packaged one loaded by ``mlx_h2o.models.load_model``, else uniform;
-    ``"uniform"``: ``config.max_size`` in every layer; a path (or a
-    ``LayerProfile``): that profile (``mlx-h2o calibrate`` writes one). A
-    profile's sizes come from ``budgets.layer_sizes`` (the memory of the
-    uniform budget). ``layer_sizes``: one ``max_size`` per attention layer,
-    in layer order (only with ``layer_budget="auto"``; anything else is a
-    conflict). Each layer gets ``with_max_size(config, size)``: sink kept,
-    heavy / recent scaled in proportion.
+    What ``config.max_size`` (N) bounds: ``layer_budget="uniform"`` (the
+    default): every attention layer holds at most N tokens, so nothing is
+    evicted, and greedy output equals mlx-lm's ``KVCache``, while the sequence
+    has at most N tokens. A layer profile keeps the memory of N tokens a layer
+    (N x layers) but shares it unevenly, each layer between N/4 and 4N
+    (``budgets.layer_sizes``): layers below N start evicting before the
+    sequence reaches N tokens. ``"auto"``: the shipped profile when the model
+    is a packaged one loaded by ``mlx_h2o.models.load_model``, else uniform; a
+    path (or a ``LayerProfile``): that profile (``mlx-h2o calibrate`` writes
+    one). ``layer_sizes``: one ``max_size`` per attention layer, in layer
+    order (only with the default ``layer_budget``). Each layer gets
+    ``with_max_size(config, size)``: sink kept, heavy / recent scaled in
+    proportion.
 
     ``decode``: the caches' decode step, ``"auto"`` (the backend's fastest)
     or ``"reference"`` / ``"compiled"`` / ``"fused"`` (``H2OKVCache``).
     """
     if not isinstance(config, H2OConfig):
         raise TypeError(f"config must be an H2OConfig, got {type(config).__name__}")
+    warn_if_reference_blas()
     check_supported(model)
     caches = _model_caches(model)
     name = model_name(model)
     layers = _attention_slots(caches)
     windows = tuple(_window(_get(caches, s)) for s in layers)
     origin = "layer_sizes"
-    if layer_sizes is not None and not _is_auto(layer_budget):
+    if layer_sizes is not None and not _is_uniform(layer_budget):
         raise ValueError(
             f"layer_sizes and layer_budget={layer_budget!r} both set the per-layer "
-            "sizes: pass one (layer_sizes with the default layer_budget='auto')"
+            "sizes: pass one (layer_sizes with the default layer_budget='uniform')"
         )
     if layer_sizes is None:
         profile = resolve_layer_profile(model, layer_budget, windows)
@@ -224,8 +229,8 @@ def _window(cache) -> Optional[int]:
     return cache.max_size if type(cache) is RotatingKVCache else None
 
 
-def _is_auto(layer_budget) -> bool:
-    return isinstance(layer_budget, str) and layer_budget == "auto"
+def _is_uniform(layer_budget) -> bool:
+    return isinstance(layer_budget, str) and layer_budget == "uniform"
 
 
 def attention_windows(model: nn.Module) -> tuple:

@@ -12,7 +12,7 @@ from .routing import patch
 
 def _h2o_cache(model, draft_model, h2o_config, kwargs) -> Optional[List[Any]]:
     cache = kwargs.pop("prompt_cache", None)
-    layer_budget = kwargs.pop("layer_budget", "auto")
+    layer_budget = kwargs.pop("layer_budget", "uniform")
     if h2o_config is None:
         return cache
     if kwargs.get("max_kv_size") is not None:
@@ -45,8 +45,9 @@ def stream_generate(
 
     Routing is enabled only while each response is computed. Pass
     ``prompt_cache=`` (from ``make_h2o_cache``) instead to keep the cache and
-    read its stats afterwards. ``layer_budget=`` ("auto" by default, "uniform"
-    or a profile path) goes to ``make_h2o_cache``.
+    read its stats afterwards. ``layer_budget=`` ("uniform" by default:
+    ``h2o_config.max_size`` tokens in every layer; "auto" or a profile path)
+    goes to ``make_h2o_cache``.
     """
     cache = _h2o_cache(model, kwargs.get("draft_model"), h2o_config, kwargs)
     responses = mlx_lm.stream_generate(

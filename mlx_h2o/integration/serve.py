@@ -28,7 +28,8 @@ _handler = threading.local()  # the context of the request this HTTP thread serv
 
 def request_stats(cache: List[Any], batch_rows: int = 0, group=None,
                   split: str = "heads") -> Dict[str, Any]:
-    """What a request's H2O cache holds: tokens (per layer) and KV bytes.
+    """What a request's H2O cache holds (``CacheStats.usage``): tokens a layer,
+    KV bytes against mlx-lm's KVCache.
     ``batch_rows``: the most requests decoded with it in one batch
     (BatchH2OKVCache; 0: served alone). ``group``: every rank's caches
     (``cache_stats``; a collective)."""
@@ -36,10 +37,7 @@ def request_stats(cache: List[Any], batch_rows: int = 0, group=None,
 
 
 def _as_usage(s, batch_rows: int) -> Dict[str, Any]:
-    return {"batched": batch_rows > 0, "batch_rows": batch_rows,
-            "tokens_seen": s.tokens_seen, "tokens_kept": s.tokens_kept,
-            "tokens_evicted": s.tokens_evicted, "kv_bytes": s.kv_bytes,
-            "unbounded_kv_bytes": s.unbounded_kv_bytes, "max_size": max(s.layer_budget)}
+    return {"batched": batch_rows > 0, "batch_rows": batch_rows, **s.usage()}
 
 
 class StatsTracker:
@@ -182,7 +180,7 @@ class H2OModelProvider(server.ModelProvider):
 
 
 @contextmanager
-def h2o_server(config: H2OConfig, layer_budget="auto", group=None, split: str = "heads"):
+def h2o_server(config: H2OConfig, layer_budget="uniform", group=None, split: str = "heads"):
     """H2O caches everywhere in ``mlx_lm.server`` (and routing on) while open;
     yields the StatsTracker that ``run`` takes. ``group`` (under ``mlx.launch``)
     and ``split`` ("heads": tensor parallel, "layers": pipeline) go to the stats."""

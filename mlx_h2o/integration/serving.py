@@ -31,7 +31,7 @@ def _swap(old, new) -> None:
                 module.make_prompt_cache = new
 
 
-def h2o_prompt_cache(config: H2OConfig, layer_budget: LayerBudget = "auto"):
+def h2o_prompt_cache(config: H2OConfig, layer_budget: LayerBudget = "uniform"):
     """A ``make_prompt_cache(model, max_kv_size=None)`` that builds H2O caches."""
 
     def make_prompt_cache(model, max_kv_size: Optional[int] = None) -> List[Any]:
@@ -45,7 +45,7 @@ def h2o_prompt_cache(config: H2OConfig, layer_budget: LayerBudget = "auto"):
 
 
 @contextmanager
-def use_h2o_caches(config: H2OConfig, layer_budget: LayerBudget = "auto"):
+def use_h2o_caches(config: H2OConfig, layer_budget: LayerBudget = "uniform"):
     """``with use_h2o_caches(H2OConfig(max_size=256)): mlx_lm.batch_generate(...)``.
 
     Not nestable; routing (``mlx_h2o.enable``) is on inside."""

@@ -187,11 +187,14 @@ def load_model(name_or_path: str | None = None, **mlx_lm_load_kwargs: Any) -> tu
 
     A packaged model loaded without adapters gets its name recorded on the
     model (`profiles.PACKAGED_ATTR`): `make_h2o_cache(layer_budget="auto")`
-    then uses the layer profile shipped for it."""
+    then uses the layer profile shipped for it. On Linux's reference BLAS
+    this warns once (`blas.warn_if_reference_blas`)."""
     from mlx_lm import load
 
+    from ..blas import warn_if_reference_blas
     from ..profiles import PACKAGED_ATTR
 
+    warn_if_reference_blas()
     name = DEFAULT_MODEL if name_or_path is None else str(name_or_path)
     out = load(resolve_model(name_or_path), **mlx_lm_load_kwargs)
     if name in PACKAGED_MODELS and mlx_lm_load_kwargs.get("adapter_path") is None:
