@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -220,12 +221,20 @@ def server_pids(lines):
             if line.startswith("server config=")]
 
 
-def gone(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return Path(f"/proc/{pid}/status").read_text().count("zombie") > 0
+def gone(pid, wait: float = 20.0):
+    """Whether process ``pid`` has ended within ``wait`` seconds (a server
+    stopped by SIGTERM takes a moment to exit on a loaded machine)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        if Path(f"/proc/{pid}/status").read_text().count("zombie") > 0:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("mode, why", [("exit", "exited (1): RuntimeError: [cuda] out of memory"),
@@ -299,10 +308,10 @@ def tiny(tmp_path_factory):
 
 
 def fake_nvidia_smi(folder: Path) -> Path:
-    """An nvidia-smi whose memory.used (MiB) grows by 10 a call."""
+    """An nvidia-smi whose memory.used (MiB) grows with time (milliseconds
+    since the epoch): called from two threads at once, it never goes back."""
     script = folder / "nvidia-smi"
-    script.write_text(f"#!/bin/sh\nn=$(cat {folder}/n 2>/dev/null || echo 0)\n"
-                      f"echo $((n + 10)) > {folder}/n\necho $((n + 10))\n")
+    script.write_text("#!/bin/sh\necho $(( $(date +%s%N) / 1000000 ))\n")
     script.chmod(0o755)
     return folder
 
