@@ -27,3 +27,18 @@ def test_help_imports_neither_mlx_nor_mlx_lm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout
     assert "usage" in out and out.strip().endswith("[]")
+
+
+def test_the_wheel_ships_the_evaluation_texts():
+    """The corpora read from package data must be listed as package data."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    data = tomllib.loads((root / "pyproject.toml").read_text())
+    globs = data["tool"]["setuptools"]["package-data"]["mlx_h2o.eval"]
+    texts = sorted((root / "mlx_h2o" / "eval" / "texts").iterdir())
+    assert {p.name for p in texts} == {"README.md", "austen.tar.xz",
+                                       "python-docs-3.11.tar.xz"}
+    for path in texts:
+        assert any(path.relative_to(root / "mlx_h2o" / "eval").match(g) for g in globs)
