@@ -118,7 +118,8 @@ def plot_heatmaps(acc: dict[str, dict], rows: Sequence, cols: Sequence, path,
         ax.set_xlabel(col_label, fontsize=8)
         for i, line in enumerate(grid):
             for j, v in enumerate(line):
-                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
+                if v == v:  # a cell not measured (NaN) stays blank
+                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
     axes[0][0].set_ylabel(row_label, fontsize=8)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
     _suptitle(fig, title, fontsize=9)
