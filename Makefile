@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	@$(MAKE) --no-print-directory openblas
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,plot]"
+	$(PY) -m pip install -q -e ".[test,plot,eval]"
 	touch $(STAMP)
 
 # Best effort: only where apt works (Debian/Ubuntu as root); mlx still runs without it.

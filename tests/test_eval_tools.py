@@ -99,6 +99,22 @@ def test_plots_write_pngs(tmp_path):
     assert out.read_bytes()[:4] == out2.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_heatmap_title_wider_than_the_figure_is_wrapped_not_cut(tmp_path):
+    """A one-cell panel is narrower than its title: the title's first and last
+    letters must not reach the image's edges (a centred line loses both)."""
+    import matplotlib.image
+
+    cell = {("rotating", "2048\n25%"): 0.2, ("h2o-heavy", "2048\n25%"): 1.0}
+    title = ("smollm2-135m: of the prompts the full cache answered, the share each "
+             "strategy answers too")
+    out = plots.plot_heatmaps({"answers kept": cell}, ["rotating", "h2o-heavy"],
+                              ["2048\n25%"], tmp_path / "kept.png", title=title)
+    image = matplotlib.image.imread(out)
+    top = image[: image.shape[0] // 8, :, :3]  # the title's rows
+    assert (top < 0.5).any()  # the title is drawn
+    assert (top[:, :4] > 0.9).all() and (top[:, -4:] > 0.9).all()
+
+
 def test_passkey_prefill_logits_match_full_forward():
     model = tiny_gemma3()
     toks = mx.random.randint(0, VOCAB, (2, 45), key=mx.random.key(5))

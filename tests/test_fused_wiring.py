@@ -1,7 +1,7 @@
 """The cache's fused-decode-step wiring, checked on CPU.
 
 The GPU kernel (kernels.h2o_decode_step) is checked against the policy on the
-GPU by scripts/gpu_check.py; here an emulation of its contract in mx ops
+GPU by tools/gpu_check.py; here an emulation of its contract in mx ops
 stands in for it, so the cache's bookkeeping around the fused step (victim
 carried to the next step, appended vs overwritten slots, compaction, trim)
 must give exactly what the op-by-op path gives.

@@ -1,7 +1,7 @@
 """GPU decode kernels: source generation and dispatch (CPU), numerics (GPU only).
 
 The numeric tests compare the kernels with a float64 numpy reference; they run
-only where MLX has a GPU backend (Metal or CUDA). scripts/gpu_check.py runs
+only where MLX has a GPU backend (Metal or CUDA). tools/gpu_check.py runs
 the full sweep there.
 """
 

@@ -77,3 +77,18 @@ def test_python_users_are_told_once_when_the_first_cache_is_made():
     assert (at_import, told) == ("0", "1")
     assert "reference BLAS" in message and "LD_PRELOAD=" in message
     assert "the mlx-h2o command does this itself" in message
+
+
+def test_the_wheel_ships_the_evaluation_texts():
+    """The corpora read from package data must be listed as package data."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    data = tomllib.loads((root / "pyproject.toml").read_text())
+    globs = data["tool"]["setuptools"]["package-data"]["mlx_h2o.eval"]
+    texts = sorted((root / "mlx_h2o" / "eval" / "texts").iterdir())
+    assert {p.name for p in texts} == {"README.md", "austen.tar.xz",
+                                       "python-docs-3.11.tar.xz"}
+    for path in texts:
+        assert any(path.relative_to(root / "mlx_h2o" / "eval").match(g) for g in globs)

@@ -137,6 +137,6 @@ def test_python_src_corpus_skips_tests_and_small_files(tmp_path):
     (tmp_path / "tiny.py").write_text("y = 2\n")
     docs = corpora.load_python_src(tmp_path)
     assert [d[:5] for d in docs] == ["x = 1", "def f"]
-    assert corpora.corpus_installed("python-src")
+    corpora.check_corpus("python-src")  # this Python's own standard library
     with pytest.raises(ValueError, match="no Python modules"):
         corpora.load_python_src(tmp_path, min_chars=10**6)

@@ -114,3 +114,20 @@ def test_python_block_runs(text, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # a block that writes files writes them here
     exec(compile(text, "<block>", "exec"), {"__name__": "__block__"})
     assert capsys.readouterr().out.strip(), "a block should show its result"
+
+
+def test_readme_opens_with_the_make_targets_and_where_the_command_is():
+    readme = ROOT / "README.md"
+    first = code_blocks(readme)[0][2].splitlines()
+    assert first[0].startswith("make demo") and first[1].startswith("make test")
+    text = readme.read_text()
+    intro = text[: text.index("\n## ")]  # what comes before the first section
+    assert "VENV ?= .venv" in (ROOT / "Makefile").read_text()  # where make installs
+    assert ".venv/bin/mlx-h2o" in intro and "source .venv/bin/activate" in intro
+
+
+def test_readme_leads_with_use_and_ends_with_results():
+    sections = re.findall(r"^## (.+)$", (ROOT / "README.md").read_text(), re.M)
+    use = ["Install", "Generate", "Chat", "Serve", "Python API", "Configuration"]
+    assert sections[: len(use)] == use
+    assert sections.index("Results") > sections.index("Configuration")

@@ -5,7 +5,7 @@ their queries together once the last member pushed; every decision must be the
 per-layer cache's: same kept positions, scores, counts and outputs. On the
 CPU the group runs its reference fold (the policy ops on the stacked state);
 the GPU kernel is checked against that reference in test_kernels_gpu.py and
-scripts/gpu_check.py.
+tools/gpu_check.py.
 """
 
 import mlx.core as mx

@@ -5,8 +5,9 @@
 #
 # Steps:
 #   install  install MLX with CUDA into $MLX_SITE from $MLX_WHEELS (wheels, or
-#            the part1/ part2/ halves that cuda-wheels.sh writes, joined and
-#            checked by its install.sh), then copy $MLX_LM_DIR's packages
+#            a wheel set split into part1/ part2/ ... folders for transfer, one
+#            of which carries the install.sh that joins, checks and installs
+#            them), then copy $MLX_LM_DIR's packages
 #            (mlx_lm and what it needs beyond mlx) there; prints the GPU and mlx
 #   check    the GPU test files ($TESTS), tools/gpu_check.py ($CHECK_ARGS) and
 #            tools/gpu_cache_check.py

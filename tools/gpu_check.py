@@ -331,7 +331,7 @@ def run_queue_fold(quick: bool, seed: int) -> int:
                 count = mx.array(rng.integers(0, 50, (1, 4, M)), mx.float32)
                 ref = queue_fold_ref64(*(to_np(a) for a in (q, k)), visible, 0.3,
                                        to_np(score), to_np(count))
-                for tile in TILES:  # the default and those the benchmark compares
+                for tile in TILES:  # the default and the other tiles measured
                     got = queue_fold(q, k, visible, 0.3, score, count, poison=NAN, tile=tile)
                     mx.eval(got)
                     ok = (np.array_equal(np.array(got[1]), ref[1])

@@ -6,6 +6,7 @@ from typing import List, Optional
 
 COMMANDS = {
     "generate": "Generate text with H2O eviction (every mlx_lm.generate flag).",
+    "chat": "Chat in the terminal with an H2O-bounded KV cache (mlx_lm.chat's flags).",
     "cache_prompt": "Prefill a prompt into an H2O cache file (mlx_lm.cache_prompt's flags).",
     "serve": "mlx_lm.server's OpenAI-compatible API with H2O-bounded KV caches.",
     "prepare": "Prepare the packaged offline models into the user cache dir.",

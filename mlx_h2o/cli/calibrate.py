@@ -20,7 +20,8 @@ def setup_arg_parser():
     p = command_parser("calibrate", __doc__)
     add_model_arg(p)
     p.add_argument("--corpus", default=CALIBRATION["corpus"],
-                   help="calibration text: austen, python-docs, sharegpt or hf:<dataset> "
+                   help="calibration text: austen, python-docs, python-src, sharegpt, "
+                   "hf:<dataset> or the path of a text file or folder "
                    f"({CALIBRATION['num_samples']} windows of {CALIBRATION['seq_len']} "
                    f"tokens, seed {CALIBRATION['seed']})")
     p.add_argument("--statistic", choices=sorted(WEIGHTS), default=DEFAULT_STATISTIC,
@@ -38,12 +39,12 @@ def main(argv=None) -> int:
     check_out_file(parser, "--out", out)
     check_model_arg(parser, args.model)
     from ..eval.calibrate import calibration_spec, make_profile
-    from ..eval.corpora import CorpusNotFoundError, install_command
+    from ..eval.corpora import CorpusNotFoundError, check_corpus
     from ..profiles import save_profile
 
     try:
-        install_command(args.corpus)  # an unknown corpus name: before the model loads
-    except ValueError as e:
+        check_corpus(args.corpus)  # before the model loads
+    except (CorpusNotFoundError, ValueError) as e:
         fail(parser, f"--corpus {args.corpus}: {e}")
     tic = time.perf_counter()
     try:

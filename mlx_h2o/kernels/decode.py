@@ -218,7 +218,7 @@ class Repeated:
         launch = make(*args)
         outs = launch(*arrays)
         if signature in seen:  # its second call, or a refused replay: record
-            seen[signature] = replayer(launch, arrays, outs)
+            seen[signature] = replayer(launch)
             seen.move_to_end(signature)
         elif self.size > 0:
             seen[signature] = None

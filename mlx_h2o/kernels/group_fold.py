@@ -69,8 +69,9 @@ class GroupPlan:
     (kernels/cubin.py) replays its first call's recording (``replay.Replay``,
     mx.compile), which converts the cubin
     and the ~80 shape scalars once: launched directly it cost 0.03-0.08 ms a
-    token more than MLX's build, compiled about the same (H200,
-    `scripts/gpu_split.py --ops-only`, docs/DESIGN.md)."""
+    token more than MLX's build, compiled about the same (H200;
+    `benchmarks/decode_matrix.py` splits a token's time into build, dispatch
+    and wait)."""
 
     def __init__(self, n, B, Hq, Hk, D, dtype, M, mode, pinned, bits=None, group_size=64):
         self.n, self.B, self.Hq, self.Hk, self.D, self.M = n, B, Hq, Hk, D, M

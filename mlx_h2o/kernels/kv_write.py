@@ -16,8 +16,7 @@ buffers and every slot is copied: ~2 x (K+V packed) + dense bytes per layer
 step (8-bit, 1K slots, 8 KV heads, D 128: ~8 MB, ~4 us at the H100's
 2.4 TB/s). Dense K/V take two ``put_along_axis`` (no kernel: two ops).
 
-Each output costs ~3 us of host time per launch (``scripts/gpu_launch_cost.py``),
-so a group step writes K and V packed in one buffer (``packed_write``,
+Each output costs ~3 us of host time per launch (H100), so a group step writes K and V packed in one buffer (``packed_write``,
 kernels/packed.py): 3 outputs instead of the triples' 8.
 
 Shapes: keys/values (B, Hk, 1, D); index (B, Hk, 1, W) int32, the slot in

@@ -36,7 +36,7 @@ from .decode import DTYPES, params_f
 # one key per thread was fastest at 4K and 32K, 64x2 at 16K by ~10%, 32x4
 # slowest (docs/DESIGN.md). NT: a multiple of 32, >= RC.
 TILE = (128, 1)
-TILES = ((128, 1), (64, 2), (32, 4))  # what scripts/bench_queue_fold.py compares
+TILES = ((128, 1), (64, 2), (32, 4))  # the tiles measured; the tests run each
 RC = 8
 MAX_ROWS = 2048  # G * queued queries: pass 2 keeps one lse per row in shared memory
 

@@ -6,14 +6,14 @@ recording over ``mx.compile``'s within the run's noise, so ``mx.compile`` is
 the one replay.
 """
 
-from typing import Callable, Sequence
+from typing import Callable
 
 import mlx.core as mx
 
 
-def replayer(fn: Callable, inputs: Sequence[mx.array], outputs: Sequence[mx.array]) -> Callable:
-    """A callable that rebuilds ``fn``'s graph for new inputs of the shapes and
-    dtypes of ``inputs`` (recorded from the call that gave ``outputs``)."""
+def replayer(fn: Callable) -> Callable:
+    """``fn`` compiled: a later call with inputs of the same shapes and dtypes
+    replays its graph (other shapes trace it again)."""
     return mx.compile(fn)
 
 
@@ -31,5 +31,5 @@ class Replay:
         if self._replay is not None:
             return self._replay(*arrays)
         outs = self.fn(*arrays)
-        self._replay = replayer(self.fn, arrays, outs)
+        self._replay = replayer(self.fn)
         return outs
