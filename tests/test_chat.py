@@ -21,16 +21,16 @@ def test_every_mlx_lm_chat_flag_and_the_h2o_flags():
     ours = {o for a in setup_arg_parser()._actions for o in a.option_strings}
     theirs = {o for a in mlx_lm_chat_parser()._actions for o in a.option_strings}
     assert theirs <= ours
-    assert {"--h2o-max-size", "--h2o-kv-bits", "--h2o-layer-budget", "--no-h2o",
+    assert {"--max-kv-size", "--h2o-kv-bits", "--h2o-layer-budget", "--no-h2o",
             "--stats"} <= ours
     args = setup_arg_parser().parse_args([])
     assert args.model is None and args.stats is False  # None: the packaged default
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--max-kv-size", "64"], "use --h2o-max-size 64 instead, or add --no-h2o"),
-    (["--no-h2o", "--h2o-max-size", "64"], "--h2o-max-size has no effect with --no-h2o"),
-    (["--h2o-max-size", "0"], "--h2o-max-size"),
+    (["--max-kv-size", "64", "--h2o-max-size", "32"], "disagree: give --max-kv-size only"),
+    (["--no-h2o", "--h2o-max-size", "64"], "with --no-h2o use --max-kv-size 64"),
+    (["--max-kv-size", "0"], "--max-kv-size"),
     (["--model", "/nonexistent/model"], "no such folder"),
 ])
 def test_user_errors_end_before_anything_loads(argv, message, capsys):
@@ -124,13 +124,13 @@ def test_chat_through_stdin_on_the_default_model():
     if os.path.exists(OPENBLAS):
         env["LD_PRELOAD"] = OPENBLAS
     done = subprocess.run(
-        [sys.executable, "-m", "mlx_h2o", "chat", "--h2o-max-size", "32",
+        [sys.executable, "-m", "mlx_h2o", "chat", "--max-kv-size", "32",
          "--h2o-layer-budget", "uniform", "--max-tokens", "12", "--stats"],
         input="Hello! Who are you?\ns\nTell me about the sea.\nr\ns\n",
         capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    assert out.startswith("mlx-h2o chat: smollm2-135m, H2O, --h2o-max-size 32")
+    assert out.startswith("mlx-h2o chat: smollm2-135m, H2O, --max-kv-size 32")
     assert out.count("tokens, ") == 2  # two answers, each with its speed line
     stats = [line for line in out.splitlines() if "evicted" in line]
     assert len(stats) == 4  # after each of the two answers (--stats), s twice

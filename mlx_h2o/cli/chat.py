@@ -22,7 +22,7 @@ from mlx_lm.chat import setup_arg_parser as mlx_lm_arg_parser
 from ..integration.distributed import shared_seed, world
 from ..models import DEFAULT_MODEL
 from .common import check_model_arg, fail, load_model_or_fail
-from .h2o_args import add_h2o_args, check_h2o_args, flagify, h2o_value
+from .h2o_args import add_h2o_args, check_h2o_args, flagify, h2o_value, take_max_kv_size
 from .ranks import check_rank_args, fail_once, is_distributed, load_on_ranks
 
 HELP = "commands: q exit, r reset the conversation, s cache stats, h help"
@@ -44,10 +44,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 def check_args(parser, args):
     """Every user error, before anything loads: (H2OConfig or None, QuantConfig or None)."""
-    if args.max_kv_size is not None and not args.no_h2o:
-        fail(parser, f"--max-kv-size bounds mlx-lm's RotatingKVCache, but H2O (on by "
-             f"default) bounds the cache: use --h2o-max-size {args.max_kv_size} instead, "
-             "or add --no-h2o for mlx-lm's rotating cache")
+    take_max_kv_size(parser, args)  # the H2O budget; mlx-lm's rotating size with --no-h2o
     config, quant = check_h2o_args(parser, args)
     check_model_arg(parser, args.model)
     return config, quant
@@ -184,7 +181,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     make_cache = _cache_maker(parser, args, model, config, quant, group)
     conversation = Conversation(model, tokenizer, make_cache, args)
     budget = "mlx-lm's caches (--no-h2o)" if config is None else (
-        f"H2O, --h2o-max-size {config.max_size}, layer budget "
+        f"H2O, --max-kv-size {config.max_size}, layer budget "
         f"{h2o_value(args, 'h2o_layer_budget')}")
     _say(group, f"mlx-h2o chat: {args.model or DEFAULT_MODEL}, {budget}, max tokens "
          f"{args.max_tokens}\n{HELP}")
