@@ -16,9 +16,12 @@ _EXPORTS = {
     "enable": ".integration.routing",
     "generate": ".integration.generate",
     "is_enabled": ".integration.routing",
+    "load_prompt_cache": ".files",
     "make_h2o_cache": ".integration.factory",
     "patch": ".integration.routing",
     "recover_prompt_cache": ".cache",
+    "register_cache_class": ".files",
+    "save_prompt_cache": ".files",
     "stream_generate": ".integration.generate",
 }
 

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from mlx_h2o import H2OConfig, H2OKVCache
-from mlx_h2o.cache import load_prompt_cache, save_prompt_cache
+from mlx_h2o.files import load_prompt_cache, save_prompt_cache
 from mlx_h2o.scores import SCORE_MODES
 
 D, HQ, HK = 8, 4, 2

@@ -13,11 +13,10 @@ from tiny_models import VOCAB, teacher_forced, tiny_gemma3, tiny_llama
 from mlx_h2o import H2OConfig, H2OKVCache, make_h2o_cache
 from mlx_h2o.cache import (
     QuantConfig,
-    load_prompt_cache,
     quantized_cache_type,
-    save_prompt_cache,
 )
-from mlx_h2o.cache.io import checksum
+from mlx_h2o.files import load_prompt_cache, save_prompt_cache
+from mlx_h2o.files.io import checksum
 
 D, HQ, HK = 8, 4, 2
 CFG = H2OConfig(max_size=10, sink_size=2, heavy_budget=4)

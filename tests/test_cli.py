@@ -10,7 +10,7 @@ from tiny_models import VOCAB, tiny_gemma3, tiny_llama
 
 import mlx_h2o
 from mlx_h2o import cache_stats, make_h2o_cache
-from mlx_h2o.cache import load_prompt_cache, save_prompt_cache
+from mlx_h2o.files import load_prompt_cache, save_prompt_cache
 from mlx_h2o.cli import main as cli_main
 from mlx_h2o.cli.generate import (
     h2o_config_from_args,

@@ -12,7 +12,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.cache import save_prompt_cache as mlx_lm_save
 
 from mlx_h2o import H2OConfig, H2OKVCache
-from mlx_h2o.cache import save_prompt_cache
+from mlx_h2o.files import save_prompt_cache
 from mlx_h2o.cli import main as cli_main
 from mlx_h2o.cli.generate import cache_file_kind
 from mlx_h2o.cli.h2o_args import flagify

@@ -236,7 +236,7 @@ def test_round_trip_at_any_step_continues_exactly(tmp_path, through):
     """Saved and restored at each step of a batch-eviction cycle, a tiny
     model's cache goes on exactly as without the round trip: the restored
     cache still attends the evicted slots not yet overwritten."""
-    from mlx_h2o.cache import load_prompt_cache, save_prompt_cache
+    from mlx_h2o.files import load_prompt_cache, save_prompt_cache
 
     model = tiny_llama()
     cfg = H2OConfig(max_size=16, sink_size=2, heavy_budget=6, evict_batch=5)

@@ -12,7 +12,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import mlx_h2o
 from mlx_h2o import H2OConfig, make_h2o_cache
 from mlx_h2o.budgets import layer_sizes
-from mlx_h2o.cache import load_prompt_cache, save_prompt_cache
+from mlx_h2o.files import load_prompt_cache, save_prompt_cache
 from mlx_h2o.integration.factory import attention_windows, resolve_layer_profile
 from mlx_h2o.models import PACKAGED_MODELS
 from mlx_h2o.profiles import (

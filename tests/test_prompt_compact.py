@@ -15,9 +15,8 @@ from mlx_h2o.cache import (
     MixedPrecisionH2OKVCache,
     QuantConfig,
     QuantizedH2OKVCache,
-    load_prompt_cache,
-    save_prompt_cache,
 )
+from mlx_h2o.files import load_prompt_cache, save_prompt_cache
 from mlx_h2o.cache.group import link_layers
 from mlx_h2o.cli.generate import h2o_config_from_args, setup_arg_parser
 from mlx_h2o.config import config_from_dict, config_to_dict

@@ -12,10 +12,9 @@ from mlx_h2o.cache import (
     MixedPrecisionH2OKVCache,
     QuantConfig,
     QuantizedH2OKVCache,
-    load_prompt_cache,
     quantized_cache_type,
-    save_prompt_cache,
 )
+from mlx_h2o.files import load_prompt_cache, save_prompt_cache
 from mlx_h2o.cache.group import link_layers
 from mlx_h2o.cache.mixed_storage import MixedKV
 

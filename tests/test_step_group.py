@@ -265,7 +265,8 @@ def test_loaded_caches_are_linked_as_made(tmp_path, monkeypatch):
     """load_prompt_cache sets up what make_h2o_cache does beside the state:
     the layers' fold phases and (GPU: forced here) step groups; decoding on
     from the file then matches decoding on from the live caches."""
-    from mlx_h2o.cache import group, load_prompt_cache, save_prompt_cache
+    from mlx_h2o.cache import group
+    from mlx_h2o.files import load_prompt_cache, save_prompt_cache
 
     monkeypatch.setattr(group, "max_layers", lambda: 2)  # as if a GPU took 2 a launch
     model = tiny_llama(num_hidden_layers=5)

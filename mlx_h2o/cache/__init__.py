@@ -1,8 +1,8 @@
-"""KV caches with H2O eviction (hold state; policy lives in mlx_h2o.policy)."""
+"""KV caches with H2O eviction (hold state; policy lives in mlx_h2o.policy;
+saving and loading in mlx_h2o.files)."""
 
 from .batch_cache import BatchH2OKVCache
 from .h2o import H2OKVCache
-from .io import load_prompt_cache, register_cache_class, save_prompt_cache
 from .quantized import (
     MixedPrecisionH2OKVCache,
     QuantConfig,
@@ -17,9 +17,6 @@ __all__ = [
     "MixedPrecisionH2OKVCache",
     "QuantConfig",
     "QuantizedH2OKVCache",
-    "load_prompt_cache",
     "quantized_cache_type",
     "recover_prompt_cache",
-    "register_cache_class",
-    "save_prompt_cache",
 ]

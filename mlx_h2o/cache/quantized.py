@@ -18,7 +18,6 @@ import mlx.core as mx
 from ..config import H2OConfig, check_int, config_from_dict
 from ..kernels.quantized_reference import BITS, check_quantization
 from .h2o import H2OKVCache
-from .io import register_cache_class
 from .mixed_storage import MixedKV, mixed_evict
 from .quantized_storage import QuantizedKV
 
@@ -79,7 +78,6 @@ class QuantConfig:
         return cls(bits=kv_bits, group_size=group_size)
 
 
-@register_cache_class
 class QuantizedH2OKVCache(H2OKVCache):
     """H2O cache whose K/V slots hold affine-quantized triples (one width).
 
@@ -137,7 +135,6 @@ class QuantizedH2OKVCache(H2OKVCache):
         return obj
 
 
-@register_cache_class
 class MixedPrecisionH2OKVCache(QuantizedH2OKVCache):
     """Sinks, pinned tokens and heavy hitters at ``quant.bits``; the recent
     window at ``quant.recent_bits``.

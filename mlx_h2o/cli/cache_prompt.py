@@ -124,7 +124,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         metadata["model"] = resolve_model(args.model)
     else:
-        from ..cache import save_prompt_cache
+        from ..files import save_prompt_cache
 
         from ..integration.stats import cache_stats
 

@@ -31,7 +31,7 @@ from .h2o_args import (  # noqa: F401  (h2o_config_from_args: tests and scripts)
 )
 from .ranks import check_rank_args, fail_once, is_distributed, load_on_ranks
 
-H2O_FORMAT = "mlx-h2o-cache/1"  # mlx_h2o.cache.io.FORMAT (read here without importing it)
+H2O_FORMAT = "mlx-h2o-cache/1"  # mlx_h2o.files.io.FORMAT (read here without importing it)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -126,7 +126,7 @@ def _load_cache_file(parser, args):
     if args.no_h2o:
         from mlx_lm.models.cache import load_prompt_cache
     else:
-        from ..cache import load_prompt_cache
+        from ..files import load_prompt_cache
     try:
         return load_prompt_cache(args.prompt_cache_file, return_metadata=True)
     except (ValueError, KeyError, TypeError) as e:

@@ -1,6 +1,6 @@
 """Checks of a cache file's contents before ``load_prompt_cache`` builds caches.
 
-Each check raises ValueError naming the problem and the fix; cache/io.py
+Each check raises ValueError naming the problem and the fix; files/io.py
 adds the file name. ``read_header``: the header's structure; ``check_h2o``:
 one H2O cache's meta state and arrays (shapes, counts, positions);
 ``check_model``: the caches against the model(s) they are loaded for.
@@ -14,7 +14,9 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from ..config import H2OConfig, check_window_size, config_from_dict
-from .h2o import H2OKVCache
+from ..cache import H2OKVCache
+from ..cache.quantized import MixedPrecisionH2OKVCache, QuantConfig, QuantizedH2OKVCache
+from ..integration.factory import make_h2o_cache
 
 REBUILD = "delete it and save the cache again"
 Heads = Optional[Tuple[int, int, int]]  # (n_kv_heads, key head_dim, value head_dim)
@@ -70,8 +72,6 @@ def _list_of(value, kind) -> bool:
 
 
 def _layouts() -> Dict[type, str]:
-    from .quantized import MixedPrecisionH2OKVCache, QuantizedH2OKVCache  # imports io
-
     return {
         H2OKVCache: "dense",
         QuantizedH2OKVCache: "quantized",
@@ -116,8 +116,6 @@ def check_h2o(cls: type, state: List[Any], meta: Any) -> Heads:
 
 
 def _quant_config(d):
-    from .quantized import QuantConfig
-
     if not isinstance(d, dict):
         raise TypeError(
             f"a quantization must be a dict of QuantConfig fields, got {d!r}"
@@ -261,8 +259,6 @@ def check_model(cache: List[Any], heads: List[Heads], models: Sequence[Any]) -> 
 
 def _expected_layers(model) -> List[Tuple[tuple, Heads]]:
     """Per cache of ``model``: (kinds it may hold, heads its K/V have)."""
-    from ..integration.factory import make_h2o_cache
-
     own = _own_caches(model)
     try:
         h2o = make_h2o_cache(model, H2OConfig(max_size=16), layer_budget="uniform")

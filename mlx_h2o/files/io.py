@@ -6,7 +6,7 @@ and cannot see ours, so we keep our own safetensors layout: arrays under
 
 The metadata carries a ``checksum``: sha256 over the other header fields and
 every array (name, dtype, shape, bytes; names sorted). A loaded file must
-match it, then pass the checks of cache/file_checks.py. Files written before
+match it, then pass the checks of files/checks.py. Files written before
 the checksum existed load with a warning (the other checks still apply).
 """
 
@@ -20,13 +20,14 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
-from .file_checks import REBUILD, check_h2o, check_model, corrupt, read_header
-from .group import link_layers
-from .h2o import H2OKVCache
+from ..cache import H2OKVCache, MixedPrecisionH2OKVCache, QuantizedH2OKVCache
+from ..cache.group import link_layers
+from .checks import REBUILD, check_h2o, check_model, corrupt, read_header
 
 FORMAT = "mlx-h2o-cache/1"
 HEADER_FIELDS = ("format", "classes", "lengths", "scalars", "meta_states", "metadata")
-CACHE_CLASSES: Dict[str, type] = {"H2OKVCache": H2OKVCache}
+CACHE_CLASSES: Dict[str, type] = {
+    cls.__name__: cls for cls in (H2OKVCache, QuantizedH2OKVCache, MixedPrecisionH2OKVCache)}
 
 
 def register_cache_class(cls: type) -> type:
