@@ -26,10 +26,10 @@ pytestmark = pytest.mark.usefixtures("on_cpu")
 
 
 # --- references ------------------------------------------------------------------
-def single_run(model, config, tokens, chunk, decode=()):
+def single_run(model, config, tokens, chunk, decode=(), kind="auto"):
     """An H2OKVCache per layer fed ``tokens`` in chunks of ``chunk``, then the
-    ``decode`` tokens one by one (one sequence)."""
-    cache = make_h2o_cache(model, config, layer_budget="uniform")
+    ``decode`` tokens one by one (one sequence), taking the decode step ``kind``."""
+    cache = make_h2o_cache(model, config, layer_budget="uniform", decode=kind)
     with mlx_h2o.patch():
         for s in range(0, len(tokens), chunk):
             model(mx.array([tokens[s : s + chunk]]), cache=cache)

@@ -17,7 +17,7 @@ from mlx_h2o.cache import batch_slots as bs
 from mlx_h2o.cache.batch_cache import BatchH2OKVCache
 from mlx_h2o.kernels import runs_on_gpu
 from test_batch_cache import (batch_decode, batch_prefill, check_invariants, held,
-                              random_prompts, rows_held)
+                              random_prompts, rows_held, single_run)
 from tiny_models import BUILDERS
 
 # On the default device: on a GPU the batch's paths run there, and the
@@ -34,17 +34,6 @@ CONFIGS = {
     "expected": H2OConfig(max_size=12, sink_size=2, heavy_budget=6,
                           score="expected_attention", prefill_window=4),
 }
-
-
-def single_run(model, config, tokens, chunk, decode, kind):
-    """One sequence through single caches taking the decode step ``kind``."""
-    cache = make_h2o_cache(model, config, layer_budget="uniform", decode=kind)
-    with mlx_h2o.patch():
-        for s in range(0, len(tokens), chunk):
-            model(mx.array([tokens[s : s + chunk]]), cache=cache)
-        for t in decode:
-            model(mx.array([[t]]), cache=cache)
-    return cache
 
 
 def scores_by_position(cache):
