@@ -226,7 +226,8 @@ def leaves(stream):
         body = chat(max_tokens=ctx.long_answer, stream=stream,
                     logit_bias={str(i): -1e4 for i in ctx.eos})
         exchange(ctx, http("POST", CHAT, json.dumps(body).encode()), leave_after=1.0)
-        out = post(CHAT, chat(seed=1))(ctx)
+        out = exchange(ctx, http("POST", CHAT, json.dumps(chat(seed=1)).encode()),
+                       wait=NORMAL_WAIT)
         out.note = f"the next request answered after {out.seconds:.1f} s"
         return out
 
@@ -301,9 +302,13 @@ CASES = [
 ]
 
 
+NORMAL_WAIT = 300  # seconds the normal request may take (stock loads the model on its first)
+
+
 def normal(ctx):
     """The normal request after each case: (answer or None, seconds)."""
-    out = post(CHAT, chat(max_tokens=8, temperature=0.0))(ctx)
+    data = http("POST", CHAT, json.dumps(chat(max_tokens=8, temperature=0.0)).encode())
+    out = exchange(ctx, data, wait=NORMAL_WAIT)
     try:
         return json.loads(out.body)["choices"][0]["message"]["content"], out.seconds
     except (ValueError, KeyError, TypeError, IndexError):

@@ -5,14 +5,17 @@ batch step, as an out-of-range sampling argument does in mlx-lm) ends with
 a 500 error and the next request is answered; stock mlx-lm's loop dies
 there. A failure that no new request brought ends the loop (health 503).
 Prompts over --max-prompt-tokens, or of no tokens, are refused before they
-are queued.
+are queued. Released H2O caches are freed while the server runs.
 """
+
+import gc
+import time
 
 import mlx_lm.server as server
 import pytest
 
 from mlx_h2o.cli.serve import mlx_lm_server_parser
-from mlx_h2o.integration.guarded_generator import GuardedResponseGenerator
+from mlx_h2o.integration.guarded_generator import GC_INTERVAL, GuardedResponseGenerator
 from mlx_h2o.integration.guarded_handler import as_request_error
 from mlx_h2o.integration.request_checks import RequestError
 from mlx_h2o.integration.served import ServedModel, ServerLimits
@@ -91,3 +94,36 @@ def test_prompts_are_bounded_before_they_are_queued(generator):
     assert e.value.code == "context_length_exceeded" and "at most 64" in str(e.value)
     assert generator.requests.empty()
     assert len(ask(generator, "the cat sat " * 10)) == 4
+
+
+def test_released_h2o_caches_are_freed_while_serving(model_dir):
+    """A released H2OKVCache waits for Python's cyclic collector; with the
+    automatic one off, only the generator's own collections free them: what
+    stays alive is what the prompt cache (2 entries here) holds, and the last
+    request's caches (its response, still in the loop's hands)."""
+    from mlx_h2o import H2OConfig, H2OKVCache
+    from mlx_h2o.integration.serve import H2OResponseGenerator, h2o_server
+
+    args = mlx_lm_server_parser().parse_args(["--model", model_dir])
+    gc.collect()
+    gc.disable()
+    try:
+        with h2o_server(H2OConfig(max_size=16), "uniform") as tracker:
+            provider = server.ModelProvider(args)
+            provider.load("default_model", None, "default_model")
+            served = ServedModel.from_provider(provider, model_dir)
+            gen = H2OResponseGenerator(provider, server.LRUPromptCache(2), tracker, served,
+                                       ServerLimits())
+            try:
+                for i in range(8):  # distinct prompts: the prompt cache evicts
+                    assert len(ask(gen, f"{i} the cat sat on the mat " * 4)) == 4
+                time.sleep(2 * GC_INTERVAL)  # the loop idles: its last collection
+                live = sum(isinstance(o, H2OKVCache) for o in gc.get_objects())
+                layers = len(provider.model.layers)
+                held = len(gen.prompt_cache) * layers
+            finally:
+                gen.stop_and_join()
+    finally:
+        gc.enable()
+    assert held > 0 and live <= held + layers  # (without the collections: 82 here)
+

@@ -7,10 +7,18 @@
   template refuses) is refused there, and a long one never stalls the batch;
 - a loop that outlives a failure: the requests it was serving end with an
   error and the loop starts again (a failure that no new request brought
-  ends it, as in mlx-lm, and ``/health`` answers 503).
+  ends it, as in mlx-lm, and ``/health`` answers 503);
+- Python's cyclic garbage collected at most once every ``GC_INTERVAL``
+  seconds while requests come and go: a released ``H2OKVCache`` is freed
+  only by that collector (it and its decode step refer to each other), which
+  counts objects, not bytes, and would let the K/V of many finished requests
+  pile up between its own full passes.
 """
 
+import gc
 import logging
+import time
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,9 +36,12 @@ class TokenizedRequest(server.CompletionRequest):
     tokenized: Optional[tuple] = None
 
 
+GC_INTERVAL = 1.0  # seconds between collections while requests are served
+
+
 class _OpenQueue:
     """A request's response queue: known to the generator until its end (None
-    or an error) is put on it."""
+    or an error) is put on it, or the loop drops it (a stopped request)."""
 
     def __init__(self, queue, open_queues: dict):
         self._queue, self._open = queue, open_queues
@@ -52,8 +63,11 @@ class GuardedResponseGenerator(server.ResponseGenerator):
     def __init__(self, model_provider, prompt_cache, served: ServedModel,
                  limits: ServerLimits):
         self.served, self.limits = served, limits
-        self._open = {}  # the requests taken off the queue and not yet ended
+        # The requests taken off the queue and not yet ended (weak: the loop
+        # drops a stopped request's queue without putting an end on it).
+        self._open = weakref.WeakValueDictionary()
         self._taken = 0  # requests taken off the queue
+        self._served_since_gc, self._collected_at = False, time.monotonic()
         super().__init__(model_provider, prompt_cache)
 
     def generate(self, request, generation_args, progress_callback=None):
@@ -90,11 +104,22 @@ class GuardedResponseGenerator(server.ResponseGenerator):
         return list(prompt), [list(s) for s in segments], list(types), state, vision
 
     def _next_request(self, timeout=None):
+        self._collect_garbage()
         request = super()._next_request(timeout)
         if request is None:
             return None
         self._taken += 1
+        self._served_since_gc = True
         return (_OpenQueue(request[0], self._open), *request[1:])
+
+    def _collect_garbage(self):
+        """Between the loop's steps: while requests are served and once after
+        the last one ends, at most every GC_INTERVAL seconds."""
+        if not self._served_since_gc or time.monotonic() - self._collected_at < GC_INTERVAL:
+            return
+        gc.collect()
+        self._collected_at = time.monotonic()
+        self._served_since_gc = len(self._open) > 0
 
     def _run_generate(self):
         taken_at_failure = None
@@ -104,7 +129,8 @@ class GuardedResponseGenerator(server.ResponseGenerator):
                 return
             except Exception as e:
                 failed = list(self._open.values())
-                self._open.clear()
+                for queue in failed:
+                    self._open.pop(id(queue), None)
                 logging.exception("generation failed (%s); %d request(s) end with an error",
                                   type(e).__name__, len(failed))
                 for queue in failed:

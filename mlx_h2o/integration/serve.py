@@ -10,6 +10,7 @@ runs the generation loop (rank 0 the HTTP server too): the stats are summed
 over the ranks (a collective at the same point of every rank's loop).
 """
 
+import gc
 import logging
 import threading
 from contextlib import contextmanager
@@ -209,6 +210,10 @@ def run(host: str, port: int, model_provider, served: ServedModel, limits: Serve
     """``mlx_lm.server.run`` with the guarded response generator and handler
     (with a ``tracker``: the H2O ones, that report cache stats): under
     ``mlx.launch`` rank 0 serves HTTP, every rank generates."""
+    # What is loaded now (the model, the code) lives as long as the server: frozen
+    # out of the collector's passes, the generator's collections cost milliseconds.
+    gc.collect()
+    gc.freeze()
     prompt_cache = server.LRUPromptCache(model_provider.cli_args.prompt_cache_size)
     if tracker is None:
         generator = GuardedResponseGenerator(model_provider, prompt_cache, served, limits)
