@@ -107,3 +107,20 @@ def test_answers_name_the_model_served(served):
     start = time.monotonic()
     assert srv.post("/v1/completions", dict(body, model="default_model"))["model"] == "tiny"
     assert time.monotonic() - start < 10
+
+
+def test_no_h2o_serves_mlx_lm_caches_under_the_same_checks(tmp_path):
+    model = str(save_tiny_model(tmp_path / "tiny"))
+    srv = Server(["-m", "mlx_h2o", "serve", "--no-h2o", "--model", model, "--max-tokens", "4"],
+                 tmp_path / "plain.log")
+    try:
+        srv.wait_ready()
+        ctx = hostile.Context(srv.port, "tiny", [], 32768, wait=10)
+        out = hostile.ask(stop=123)(ctx)
+        assert out.status == 400 and out.error()["param"] == "stop"
+        text, finish, usage = srv.ask("chat", [{"role": "user", "content": "hi"}])
+        assert finish in ("length", "stop") and "h2o" not in usage
+        with urllib.request.urlopen(srv.url("/v1/models"), timeout=10) as r:
+            assert json.loads(r.read())["data"][0]["id"] == "tiny"
+    finally:
+        srv.stop()

@@ -78,7 +78,7 @@ def as_request_error(e: Exception) -> RequestError:
     if isinstance(e, RuntimeError) and "generation thread died" in str(e):
         return RequestError("the generation loop has stopped; restart the server", None, 503,
                             "unavailable")
-    logging.error("request failed: %r", e)
+    logging.error("request failed", exc_info=e)
     return RequestError("generation failed for this request (the server logged why)", None,
                         500, "generation_failed")
 
