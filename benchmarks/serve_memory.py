@@ -5,14 +5,16 @@
 
 Each server in turn is started on 127.0.0.1 (a free port) and sent the same
 ``--requests`` requests one after another: chat and text completions, streamed
-and not, prompts of 8-300 tokens of shuffled prose (some continue an earlier
-conversation, so the prompt cache is fetched and trimmed), 1-8 generated
+and not, prompts of 8-256 tokens of shuffled prose (some continue an earlier
+conversation, so the prompt cache is fetched and trimmed), 1-6 generated
 tokens, some seeded and sampled (the one-at-a-time path), some with stop
 words or logprobs, and every 25th a client that hangs up mid-stream. The
 server's resident memory (/proc VmRSS) is read after each answer. Memory is
 flat when every reading after ``--warmup`` requests stays within 5% of the
-reading at the warm-up's end. Prints a config header, a line per checkpoint,
-a summary table and a final JSON line. Every server started is stopped.
+reading at the warm-up's end. ``--side-by-side`` runs the servers at the
+same time (a client each), so that the load of a shared machine hits them
+alike. Prints a config header, a line per checkpoint, a summary table and a
+final JSON line. Every server started is stopped.
 """
 
 import argparse
@@ -25,6 +27,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -41,11 +44,11 @@ def make_requests(tokenizer, n, seed):
     sentences = PROSE.read_text().replace("\n", " ").split(". ")
     history, out = [], []
     for i in range(n):
-        length = rng.choice((8, 16, 40, 80, 150, 300))
+        length = rng.choice((8, 16, 32, 64, 128, 256))
         rng.shuffle(sentences)
         ids = tokenizer.encode(". ".join(sentences), add_special_tokens=False).ids
         text = tokenizer.decode(ids[:length])
-        body = {"max_tokens": rng.randint(1, 8), "temperature": 0.0}
+        body = {"max_tokens": rng.randint(1, 6), "temperature": 0.0}
         if i % 7 == 3 and history:  # the next turn of an earlier chat
             messages = rng.choice(history) + [{"role": "user", "content": text[:200]}]
         else:
@@ -63,7 +66,7 @@ def make_requests(tokenizer, n, seed):
             body.update(stop=["\n", "."], logprobs=True, top_logprobs=3)
         hang_up = i % 25 == 24
         if hang_up:
-            body.update(stream=True, max_tokens=32)
+            body.update(stream=True, max_tokens=24)
         out.append((path, body, hang_up))
         if kind == "chat" and len(history) < 8:
             history.append(messages + [{"role": "assistant", "content": "Yes."}])
@@ -129,6 +132,8 @@ def setup_arg_parser():
     p.add_argument("--h2o-args", default="", help="extra flags for mlx-h2o serve")
     p.add_argument("--every", type=int, default=25, help="requests between printed lines")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--side-by-side", action="store_true",
+                   help="run the servers at the same time, not one after the other")
     p.add_argument("--timeout", type=float, default=300, help="seconds a request may take")
     p.add_argument("--start-timeout", type=float, default=300, help="seconds to /health")
     return p
@@ -161,9 +166,21 @@ def main():
           f"python={platform.python_version()} cpus={os.cpu_count()}", flush=True)
     results = {}
     with tempfile.TemporaryDirectory(prefix="serve_memory_") as tmp:
-        for name in args.servers:
+        def measure(name):
             rss = run_server(name, argv[name], requests, args, Path(tmp) / f"{name}.log")
             results[name] = {**summary(rss, args.warmup), "rss_mb": [round(r) for r in rss]}
+
+        if args.side_by_side:
+            threads = [threading.Thread(target=measure, args=(n,)) for n in args.servers]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        else:
+            for name in args.servers:
+                measure(name)
+        if len(results) < len(args.servers):
+            raise SystemExit("a server failed: see the lines above")
     print("| server | RSS after 1 | after warm-up | last | max after warm-up | rise | flat "
           "(<= 5%) |")
     print("|---|---|---|---|---|---|---|")

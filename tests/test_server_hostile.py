@@ -1,8 +1,8 @@
 """A real `mlx-h2o serve` on 127.0.0.1 against hostile and malformed clients.
 
 The tiny random llama of test_serve.py (SmolLM2's tokenizer) is served with
-short limits. Every case of benchmarks/hostile_clients.py (the tool that
-sends the same cases to stock mlx_lm.server too) must get the answer
+short limits. Every case of benchmarks/hostile_cases.py (benchmarks/
+hostile_clients.py sends the same cases to stock mlx_lm.server too) must get the answer
 mlx-h2o serve should give: the HTTP status, the field it names, within a
 second (the timeout cases within their timeout), and afterwards a normal
 request must get the answer it got at start. A client that leaves must stop
@@ -20,21 +20,21 @@ import pytest
 
 from test_serve import Server, save_tiny_model
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "hostile_clients.py"
+CASES = Path(__file__).resolve().parents[1] / "benchmarks" / "hostile_cases.py"
 TIMEOUT = 1.0  # --header-timeout and --body-timeout
 PROMPT_LIMIT = 256
 LONG = 3000  # tokens asked for by the clients that leave: seconds of decoding
 
 
-def load_tool():
-    spec = importlib.util.spec_from_file_location("hostile_clients", SCRIPT)
+def load_cases():
+    spec = importlib.util.spec_from_file_location("hostile_cases", CASES)
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("hostile_clients", module)
+    sys.modules.setdefault("hostile_cases", module)  # its dataclasses look it up
     spec.loader.exec_module(module)
     return module
 
 
-hostile = load_tool()
+hostile = load_cases()
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,9 @@ def served(tmp_path_factory):
     listener.start()
     try:
         srv.wait_ready()
-        _, eos, _, _ = hostile.model_info(Path(model))
+        from serve_bench import model_info  # beside hostile_cases.py, on its path
+
+        _, eos, _, _ = model_info(Path(model))
         ctx = hostile.Context(srv.port, "tiny", eos, PROMPT_LIMIT, wait=10, listener=listener,
                               long_answer=LONG)
         reference, _ = hostile.normal(ctx)

@@ -16,7 +16,7 @@ import pytest
 
 from mlx_h2o.cli.serve import mlx_lm_server_parser
 from mlx_h2o.integration.guarded_generator import GC_INTERVAL, GuardedResponseGenerator
-from mlx_h2o.integration.guarded_handler import as_request_error
+from mlx_h2o.integration.request_scope import as_request_error
 from mlx_h2o.integration.request_checks import RequestError
 from mlx_h2o.integration.served import ServedModel, ServerLimits
 from test_serve import save_tiny_model

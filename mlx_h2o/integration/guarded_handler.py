@@ -20,7 +20,6 @@ a ``GuardedResponseGenerator``) with:
 import io
 import json
 import logging
-import select
 import socket
 import time
 from http import HTTPStatus
@@ -29,18 +28,10 @@ from urllib.parse import unquote, urlsplit
 import mlx_lm.server as server
 
 from .request_checks import RequestError, check_request
+from .request_scope import Answered, ClientLeft, RequestScope, client_left
 
 COMPLETIONS = {"/v1/chat/completions": "chat", "/chat/completions": "chat",
                "/v1/completions": "text"}
-
-
-class ClientLeft(Exception):
-    """The client closed its connection before its answer was complete."""
-
-
-class _Answered(BaseException):
-    """The request's answer is sent: unwinds mlx-lm's handler, whose
-    ``except Exception`` would answer again."""
 
 
 class _DeadlineReader(io.RawIOBase):
@@ -61,78 +52,6 @@ class _DeadlineReader(io.RawIOBase):
             return self.sock.recv_into(buffer)
         finally:
             self.sock.settimeout(self.idle_timeout)  # the send timeout between reads
-
-
-def client_left(sock: socket.socket) -> bool:
-    """The peer closed (or reset) the connection: readable with nothing to read."""
-    try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
-    except (OSError, ValueError):
-        return True
-
-
-def as_request_error(e: Exception) -> RequestError:
-    if isinstance(e, RequestError):
-        return e
-    if isinstance(e, RuntimeError) and "generation thread died" in str(e):
-        return RequestError("the generation loop has stopped; restart the server", None, 503,
-                            "unavailable")
-    logging.error("request failed", exc_info=e)
-    return RequestError("generation failed for this request (the server logged why)", None,
-                        500, "generation_failed")
-
-
-class _RequestScope:
-    """The response generator as one request's handler sees it: failures are
-    answered as errors, a client that leaves stops its generation, and a
-    non-streamed answer is generated whole before its headers are sent."""
-
-    def __init__(self, generator, handler):
-        self._generator, self._handler = generator, handler
-
-    def __getattr__(self, name):
-        return getattr(self._generator, name)
-
-    def generate(self, request, args, progress_callback=None):
-        handler = self._handler
-
-        def progress(done, total):  # each prompt chunk
-            handler.check_client()
-            if progress_callback is not None:
-                progress_callback(done, total)
-
-        try:
-            ctx, responses = self._generator.generate(request, args, progress)
-        except Exception as e:
-            handler.refuse(as_request_error(e))
-            raise _Answered from e
-        if handler.stream:
-            return ctx, self._streamed(responses)
-        try:
-            return ctx, iter(list(self._checked(responses)))
-        except ClientLeft:
-            ctx.stop()
-            handler.close_connection = True
-            raise _Answered from None
-        except Exception as e:
-            ctx.stop()
-            handler.refuse(as_request_error(e))
-            raise _Answered from e
-
-    def _checked(self, responses):
-        for response in responses:
-            yield response
-            self._handler.check_client()
-
-    def _streamed(self, responses):
-        try:
-            yield from self._checked(responses)
-        except ClientLeft:
-            raise
-        except Exception as e:  # after the headers: an error event ends the stream
-            self._handler.stream_error(as_request_error(e))
-            raise _Answered from e
 
 
 class GuardedAPIHandler(server.APIHandler):
@@ -213,10 +132,10 @@ class GuardedAPIHandler(server.APIHandler):
 
     def handle_completion(self, request, stop_words):
         generator = self.response_generator
-        self.response_generator = _RequestScope(generator, self)
+        self.response_generator = RequestScope(generator, self)
         try:
             super().handle_completion(request, stop_words)
-        except _Answered:
+        except Answered:
             pass
         except (ClientLeft, ConnectionError) as e:
             self.close_connection = True
