@@ -23,6 +23,7 @@ import logging
 import socket
 import time
 from http import HTTPStatus
+from http.server import ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
 
 import mlx_lm.server as server
@@ -219,6 +220,14 @@ class GuardedAPIHandler(server.APIHandler):
         return response
 
 
+class GuardedHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, as mlx-lm's; a listen backlog of 128, not the
+    standard library's 5, so a burst of clients is queued rather than reset."""
+
+    request_queue_size = 128
+
+
 def serve_http(host: str, port: int, generator, handler_class=GuardedAPIHandler) -> None:
     """``mlx_lm.server``'s HTTP server with ``handler_class`` (a GuardedAPIHandler)."""
-    server._run_http_server(host, port, generator, handler_class=handler_class)
+    server._run_http_server(host, port, generator, server_class=GuardedHTTPServer,
+                            handler_class=handler_class)
