@@ -4,11 +4,13 @@
         [--model PATH] [--server-args "..."] [--h2o-args "..."] [--seed 0]
 
 Each server in turn is started on 127.0.0.1 (a free port) and sent the same
-``--requests`` requests one after another: chat and text completions, streamed
-and not, prompts of 8-256 tokens of shuffled prose (some continue an earlier
-conversation, so the prompt cache is fetched and trimmed), 1-6 generated
-tokens, some seeded and sampled (the one-at-a-time path), some with stop
-words or logprobs, and every 25th a client that hangs up mid-stream. The
+``--requests`` requests one after another, from shuffled prose: mostly the
+next turn (8-32 tokens) of one of 6 open chats, whose caches the server
+fetches from its prompt cache, trims and grows past the budget (a chat is
+left at 900 tokens); new chats of 64-384 tokens; short text completions;
+1-4 generated tokens; streamed or not, some seeded and sampled (the
+one-at-a-time path), some with stop words or logprobs, and every 25th a
+client that hangs up mid-stream. The
 server's resident memory (/proc VmRSS) is read after each answer. Memory is
 flat when every reading after ``--warmup`` requests stays within 5% of the
 reading at the warm-up's end. ``--side-by-side`` runs the servers at the
@@ -38,26 +40,42 @@ from serve_bench import PROSE, Server, model_info  # noqa: E402
 FLAT = 0.05  # the largest rise over the warm-up's end that counts as flat
 
 
+CHATS = 6  # conversations open at a time
+CHAT_TOKENS = 900  # a conversation this long is left for a new one
+
+
 def make_requests(tokenizer, n, seed):
-    """``n`` request bodies (path, body, hang_up) from one seed."""
+    """``n`` request bodies (path, body, hang_up) from one seed: mostly the
+    next turn of one of a few open chats (their caches fetched from the prompt
+    cache, trimmed, grown past the budget), some new chats, some text."""
     rng = random.Random(seed)
     sentences = PROSE.read_text().replace("\n", " ").split(". ")
-    history, out = [], []
-    for i in range(n):
-        length = rng.choice((8, 16, 32, 64, 128, 256))
+
+    def passage(tokens):
         rng.shuffle(sentences)
         ids = tokenizer.encode(". ".join(sentences), add_special_tokens=False).ids
-        text = tokenizer.decode(ids[:length])
-        body = {"max_tokens": rng.randint(1, 6), "temperature": 0.0}
-        if i % 7 == 3 and history:  # the next turn of an earlier chat
-            messages = rng.choice(history) + [{"role": "user", "content": text[:200]}]
+        return tokenizer.decode(ids[:tokens])
+
+    chats, out = [], []  # chats: [messages, tokens]
+    for i in range(n):
+        body = {"max_tokens": rng.randint(1, 4), "temperature": 0.0}
+        roll = rng.random()
+        if roll < 0.1:
+            path, body["prompt"] = "/v1/completions", passage(rng.choice((8, 16, 32, 64)))
         else:
-            messages = [{"role": "user", "content": text}]
-        kind = rng.choice(("chat", "chat", "text"))
-        if kind == "chat":
-            path, body["messages"] = "/v1/chat/completions", messages
-        else:
-            path, body["prompt"] = "/v1/completions", text
+            if roll < 0.3 or not chats:
+                chat = [[], 0]
+                chats = chats[-(CHATS - 1):] + [chat]
+                turn = rng.choice((64, 128, 256, 384))
+            else:
+                chat = rng.choice(chats)
+                chat[0] = chat[0] + [{"role": "assistant", "content": "Sure, go on."}]
+                turn = rng.choice((8, 16, 32))
+            chat[0] = chat[0] + [{"role": "user", "content": passage(turn)}]
+            chat[1] += turn + 12
+            if chat[1] > CHAT_TOKENS:
+                chats.remove(chat)
+            path, body["messages"] = "/v1/chat/completions", chat[0]
         if i % 5 == 1:
             body.update(stream=True, stream_options={"include_usage": True})
         if i % 11 == 4:
@@ -66,10 +84,8 @@ def make_requests(tokenizer, n, seed):
             body.update(stop=["\n", "."], logprobs=True, top_logprobs=3)
         hang_up = i % 25 == 24
         if hang_up:
-            body.update(stream=True, max_tokens=24)
+            body.update(stream=True, max_tokens=16)
         out.append((path, body, hang_up))
-        if kind == "chat" and len(history) < 8:
-            history.append(messages + [{"role": "assistant", "content": "Yes."}])
     return out
 
 
@@ -171,7 +187,9 @@ def main():
             results[name] = {**summary(rss, args.warmup), "rss_mb": [round(r) for r in rss]}
 
         if args.side_by_side:
-            threads = [threading.Thread(target=measure, args=(n,)) for n in args.servers]
+            # Daemons: an interrupted run exits, and its servers die with their threads.
+            threads = [threading.Thread(target=measure, args=(n,), daemon=True)
+                       for n in args.servers]
             for t in threads:
                 t.start()
             for t in threads:
