@@ -111,7 +111,8 @@ def limits_from_args(parser, args) -> ServerLimits:
 
 
 def check_args(parser, args):
-    """Every user error, before the model loads: the H2OConfig (None: --no-h2o)."""
+    """Every user error, before the model loads: (the H2OConfig, None for
+    --no-h2o; the ServerLimits)."""
     if args.kv_bits is not None and not args.no_h2o:
         fail(parser, "--kv-bits quantizes mlx-lm's cache and serves one request at a time; "
              "`mlx-h2o serve` batches dense H2O caches: drop --kv-bits (--h2o-max-size "
