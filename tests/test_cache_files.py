@@ -143,6 +143,11 @@ def _neg(p):
     return p
 
 
+def _set_first(a, value):
+    a[0, 0, 0] = value
+    return a
+
+
 EDITS = {
     "short meta state": (
         lambda a, h, m: m[0].pop(),
@@ -175,6 +180,14 @@ EDITS = {
     "float positions": (
         lambda a, h, m: _put(a, "0.2", lambda p: p.astype(np.float32)),
         "int32",
+    ),
+    "NaN score": (
+        lambda a, h, m: _put(a, "0.3", lambda s: _set_first(s, np.nan)),
+        "its score holds NaN or infinite values",
+    ),
+    "infinite count": (
+        lambda a, h, m: _put(a, "1.4", lambda c: _set_first(c, np.inf)),
+        "its count holds NaN or infinite values",
     ),
     "short score": (
         lambda a, h, m: _put(a, "0.3", lambda s: s[..., :-1]),

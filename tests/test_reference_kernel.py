@@ -118,3 +118,12 @@ def test_bad_inputs():
         sdpa_scores(q, k, k, scale=1.0, mask=mx.ones((1, 3, 1, 4), dtype=mx.bool_))
     with pytest.raises(ValueError, match="unknown mask"):
         sdpa_scores(q, k, k, scale=1.0, mask="sliding")
+
+
+@pytest.mark.parametrize("which", ["queries", "keys", "values"])
+def test_integer_inputs_are_refused(which):
+    args = {"queries": mx.ones((1, 2, 1, 8)), "keys": mx.ones((1, 2, 4, 8)),
+            "values": mx.ones((1, 2, 4, 8))}
+    args[which] = args[which].astype(mx.int32)
+    with pytest.raises(TypeError, match=f"{which} must be float16, bfloat16 or float32"):
+        sdpa_scores(args["queries"], args["keys"], args["values"], scale=1.0)

@@ -13,6 +13,11 @@ model. Responses carry ``usage.h2o``: tokens seen / kept / evicted, KV bytes.
 Under ``mlx.launch`` the model is sharded over the ranks as mlx_lm.server
 does it (tensor parallel; ``--pipeline``: pipeline parallel); rank 0 serves
 HTTP and every rank keeps H2O caches for its own KV heads (docs/DISTRIBUTED.md).
+
+Stricter than mlx_lm.server: only the model given at start is served, every
+request is checked before generation (a bad one gets a 4xx JSON error naming
+the field) and bounded by the limit flags; a failed request never stops the
+server (docs/SERVING.md, "Limits and safety").
 """
 
 import argparse
@@ -29,6 +34,7 @@ from ..integration.distributed import (
     model_config,
     world,
 )
+from ..integration.served import ServedModel, ServerLimits
 from ..models import DEFAULT_MODEL, PACKAGED_MODELS
 from .common import check_model_arg, fail
 from .h2o_args import add_h2o_args, check_h2o_args, flagify, h2o_value, take_max_kv_size
@@ -64,11 +70,50 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         if action.dest == "model":
             action.help = f"Model path, hub repo or packaged name (default: {DEFAULT_MODEL})"
     add_h2o_args(parser)
+    add_limit_args(parser)
     return parser
 
 
+def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    """What one request may ask of the server (mlx_h2o.integration.served)."""
+    d = ServerLimits()
+    g = parser.add_argument_group("request limits")
+    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="largest request body in bytes; a larger one gets 413 (default: "
+                   "%(default)s)")
+    g.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
+                   help="most prompt tokens a request may bring (default: %(default)s)")
+    g.add_argument("--max-tokens-limit", type=int, default=d.max_tokens_limit,
+                   help="largest max_tokens a request may ask for (default: %(default)s)")
+    g.add_argument("--header-timeout", type=float, default=d.header_timeout,
+                   help="seconds a client has to send its request line and headers (default: "
+                   "%(default)s)")
+    g.add_argument("--body-timeout", type=float, default=d.body_timeout,
+                   help="seconds a client has to send its body, and may leave its answer "
+                   "unread (default: %(default)s)")
+    g.add_argument("--allow-remote-images", action="store_true",
+                   help="fetch http(s) image URLs of requests (vision models; off: data: "
+                   "URLs only)")
+
+
+def limits_from_args(parser, args) -> ServerLimits:
+    """The limit flags as ServerLimits; a bad value ends the command."""
+    try:
+        limits = ServerLimits(args.max_body_bytes, args.max_prompt_tokens,
+                              args.max_tokens_limit, args.header_timeout, args.body_timeout,
+                              args.allow_remote_images)
+    except ValueError as e:  # "<field> must be ...": the field is the flag's dest
+        field, rest = str(e).split(" ", 1)
+        fail(parser, f"--{field.replace('_', '-')} {rest}")
+    if args.max_tokens > limits.max_tokens_limit or args.max_tokens < 1:
+        fail(parser, f"--max-tokens {args.max_tokens}: the default max_tokens must be from 1 "
+             f"to --max-tokens-limit ({limits.max_tokens_limit})")
+    return limits
+
+
 def check_args(parser, args):
-    """Every user error, before the model loads: the H2OConfig (None: --no-h2o)."""
+    """Every user error, before the model loads: (the H2OConfig, None for
+    --no-h2o; the ServerLimits)."""
     take_max_kv_size(parser, args, rotating=False)
     if args.kv_bits is not None and not args.no_h2o:
         fail(parser, "--kv-bits quantizes mlx-lm's cache and serves one request at a time; "
@@ -84,7 +129,7 @@ def check_args(parser, args):
     check_model_arg(parser, args.model)
     if args.draft_model:
         check_model_arg(parser, args.draft_model, "--draft-model")
-    return config
+    return config, limits_from_args(parser, args)
 
 
 def _resolve(parser, args) -> Optional[tuple]:
@@ -104,12 +149,14 @@ def _resolve(parser, args) -> Optional[tuple]:
 
 def _load_checked(parser, provider, config, layer_budget, group) -> None:
     """Load the served model now (the server reuses it) and build its H2O
-    caches once: an unsupported model or layer profile, or (tensor parallel)
-    KV heads that do not divide by the ranks end the command."""
+    caches once (``config`` None: mlx-lm's caches): an unsupported model or
+    layer profile, or (tensor parallel) KV heads that do not divide by the
+    ranks end the command."""
     from ..integration.factory import make_h2o_cache
 
     path = provider.cli_args.model
-    name = provider.packaged[0] if provider.packaged else path
+    packaged = getattr(provider, "packaged", None)
+    name = packaged[0] if packaged else path
     try:
         if is_distributed(group) and not provider.cli_args.pipeline:
             check_heads_divide(model_config(path), group.size(), name)
@@ -119,6 +166,8 @@ def _load_checked(parser, provider, config, layer_budget, group) -> None:
     except (OSError, ValueError) as e:
         first = next((l for l in str(e).splitlines() if l.strip()), type(e).__name__)
         fail_once(parser, group, f"--model {name}: could not load it ({first})")
+    if config is None:
+        return
     try:
         make_h2o_cache(model, config, layer_budget=layer_budget)
     except (ValueError, TypeError) as e:
@@ -128,19 +177,22 @@ def _load_checked(parser, provider, config, layer_budget, group) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
-    config = check_args(parser, args)
+    config, limits = check_args(parser, args)
+    given = (DEFAULT_MODEL if args.model is None else args.model, args.draft_model)
     group = world()
     check_rank_args(parser, args, group)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), None),
                         format="%(asctime)s - %(levelname)s - %(message)s")
     packaged = _resolve(parser, args)
     server.maybe_set_recommended_wired_limit()
-    if config is None:  # --no-h2o: mlx-lm's server as it is
-        server.run(args.host, args.port, server.ModelProvider(args))
-        return 0
     from ..integration.distributed import pipeline_stages
     from ..integration.serve import H2OModelProvider, h2o_server, run
 
+    if config is None:  # --no-h2o: mlx-lm's caches, the same checks and limits
+        provider = server.ModelProvider(args)
+        _load_checked(parser, provider, None, None, group)
+        run(args.host, args.port, provider, ServedModel.from_provider(provider, *given), limits)
+        return 0
     layer_budget = h2o_value(args, "h2o_layer_budget")
     split = "layers" if args.pipeline else "heads"
     with h2o_server(config, layer_budget, group, split) as tracker, \
@@ -150,5 +202,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         if group.rank() == 0:
             logging.info("H2O KV budget: %d tokens per layer, layer budget %s (%s)",
                          config.max_size, layer_budget, config)
-        run(args.host, args.port, provider, tracker)
+        served = ServedModel.from_provider(provider, *given)
+        run(args.host, args.port, provider, served, limits, tracker)
     return 0

@@ -141,6 +141,9 @@ def _check_meta_arrays(positions, score, count, config: H2OConfig, offset, evict
                 f"its {name} is {a.shape} {a.dtype}, its positions "
                 f"{positions.shape}: both must be that shape, float32"
             )
+    for name, a in (("score", score), ("count", count)):
+        if not np.isfinite(np.array(a)).all():
+            raise corrupt(f"its {name} holds NaN or infinite values")
     n = positions.shape[2]
     # prefill_compact="prompt": a prompt grows past max_size until the first
     # decode step compacts it.

@@ -4,11 +4,13 @@
 is an H2O one; batches are BatchH2OKVCache) and hooks the server's classes
 for the stats: each finished request's cache (the one its prompt cache keeps)
 is summarised as ``usage["h2o"]`` of its response and in a log line. ``run``
-is ``mlx_lm.server.run`` with those classes. Under ``mlx.launch`` every rank
+is ``mlx_lm.server.run`` with those classes, over the guarded generator and
+handler (every request checked and bounded first). Under ``mlx.launch`` every rank
 runs the generation loop (rank 0 the HTTP server too): the stats are summed
 over the ranks (a collective at the same point of every rank's loop).
 """
 
+import gc
 import logging
 import threading
 from contextlib import contextmanager
@@ -20,6 +22,9 @@ from mlx_lm.generate import BatchGenerator
 
 from ..config import H2OConfig
 from ..profiles import PACKAGED_ATTR
+from .guarded_generator import GuardedResponseGenerator
+from .guarded_handler import GuardedAPIHandler, serve_http
+from .served import ServedModel, ServerLimits
 from .serving import use_h2o_caches
 from .stats import cache_stats
 
@@ -129,10 +134,11 @@ def _stream_generate(tracker: StatsTracker, stream_generate):
     return tracked
 
 
-class H2OResponseGenerator(server.ResponseGenerator):
-    def __init__(self, model_provider, prompt_cache, tracker: StatsTracker):
+class H2OResponseGenerator(GuardedResponseGenerator):
+    def __init__(self, model_provider, prompt_cache, tracker: StatsTracker,
+                 served: ServedModel, limits: ServerLimits):
         self.tracker = tracker  # before the generation thread starts
-        super().__init__(model_provider, prompt_cache)
+        super().__init__(model_provider, prompt_cache, served, limits)
 
     def _next_request(self, timeout=None):
         request = super()._next_request(timeout)
@@ -146,7 +152,7 @@ class H2OResponseGenerator(server.ResponseGenerator):
         return ctx, responses
 
 
-class H2OAPIHandler(server.APIHandler):
+class H2OAPIHandler(GuardedAPIHandler):
     """``usage["h2o"]``: the request's cache stats (non-streamed responses,
     and streamed ones with ``stream_options.include_usage``)."""
 
@@ -197,12 +203,23 @@ def h2o_server(config: H2OConfig, layer_budget="uniform", group=None, split: str
                 setattr(server, name, value)
 
 
-def run(host: str, port: int, model_provider, tracker: StatsTracker) -> None:
-    """``mlx_lm.server.run`` with the H2O response generator and handler: under
+def run(host: str, port: int, model_provider, served: ServedModel, limits: ServerLimits,
+        tracker: Optional[StatsTracker] = None) -> None:
+    """``mlx_lm.server.run`` with the guarded response generator and handler
+    (with a ``tracker``: the H2O ones, that report cache stats): under
     ``mlx.launch`` rank 0 serves HTTP, every rank generates."""
+    # What is loaded now (the model, the code) lives as long as the server: frozen
+    # out of the collector's passes, the generator's collections cost milliseconds.
+    gc.collect()
+    gc.freeze()
     prompt_cache = server.LRUPromptCache(model_provider.cli_args.prompt_cache_size)
-    generator = H2OResponseGenerator(model_provider, prompt_cache, tracker)
+    if tracker is None:
+        generator = GuardedResponseGenerator(model_provider, prompt_cache, served, limits)
+        handler = GuardedAPIHandler
+    else:
+        generator = H2OResponseGenerator(model_provider, prompt_cache, tracker, served, limits)
+        handler = H2OAPIHandler
     if mx.distributed.init().rank() == 0:
-        server._run_http_server(host, port, generator, handler_class=H2OAPIHandler)
+        serve_http(host, port, generator, handler)
     else:
         generator.join()

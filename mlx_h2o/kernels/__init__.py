@@ -35,7 +35,15 @@ def scaled_dot_product_attention_with_scores(
     Same contract as ``reference.scaled_dot_product_attention_with_scores``.
     ``use_kernel``: None picks the GPU kernel when it supports the inputs,
     True requires it (ValueError otherwise), False forces the reference.
+    Non-float inputs raise TypeError: attention in integers would return
+    integer outputs, silently wrong.
     """
+    for name, a in (("queries", queries), ("keys", keys), ("values", values)):
+        if not mx.issubdtype(a.dtype, mx.floating):
+            raise TypeError(
+                f"{name} must be float16, bfloat16 or float32, got {a.dtype}: cast them "
+                f"first ({name}.astype(mx.float32))"
+            )
     ok = supported(queries, keys, values, mask, sinks)
     if use_kernel and not ok:
         raise ValueError(

@@ -1,0 +1,214 @@
+"""Server memory over many sequential mixed requests: stock mlx_lm.server vs mlx-h2o serve.
+
+    python benchmarks/serve_memory.py [--requests 150] [--warmup 50] [--servers stock h2o]
+        [--model PATH] [--server-args "..."] [--h2o-args "..."] [--seed 0]
+
+Each server in turn is started on 127.0.0.1 (a free port) and sent the same
+``--requests`` requests one after another, from shuffled prose: mostly the
+next turn (8-32 tokens) of one of 6 open chats, whose caches the server
+fetches from its prompt cache, trims and grows past the budget (a chat is
+left at 900 tokens); new chats of 64-384 tokens; short text completions;
+1-4 generated tokens; streamed or not, some seeded and sampled (the
+one-at-a-time path), some with stop words or logprobs, and every 25th a
+client that hangs up mid-stream. The
+server's resident memory (/proc VmRSS) is read after each answer. Memory is
+flat when every reading after ``--warmup`` requests stays within 5% of the
+reading at the warm-up's end. ``--side-by-side`` runs the servers at the
+same time (a client each), so that the load of a shared machine hits them
+alike. Prints a config header, a line per checkpoint, a summary table and a
+final JSON line. Every server started is stopped.
+"""
+
+import argparse
+import json
+import os
+import platform
+import random
+import shlex
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_bench import PROSE, Server, model_info  # noqa: E402
+
+FLAT = 0.05  # the largest rise over the warm-up's end that counts as flat
+
+
+CHATS = 6  # conversations open at a time
+CHAT_TOKENS = 900  # a conversation this long is left for a new one
+
+
+def make_requests(tokenizer, n, seed):
+    """``n`` request bodies (path, body, hang_up) from one seed: mostly the
+    next turn of one of a few open chats (their caches fetched from the prompt
+    cache, trimmed, grown past the budget), some new chats, some text."""
+    rng = random.Random(seed)
+    sentences = PROSE.read_text().replace("\n", " ").split(". ")
+
+    def passage(tokens):
+        rng.shuffle(sentences)
+        ids = tokenizer.encode(". ".join(sentences), add_special_tokens=False).ids
+        return tokenizer.decode(ids[:tokens])
+
+    chats, out = [], []  # chats: [messages, tokens]
+    for i in range(n):
+        body = {"max_tokens": rng.randint(1, 4), "temperature": 0.0}
+        roll = rng.random()
+        if roll < 0.1:
+            path, body["prompt"] = "/v1/completions", passage(rng.choice((8, 16, 32, 64)))
+        else:
+            if roll < 0.3 or not chats:
+                chat = [[], 0]
+                chats = chats[-(CHATS - 1):] + [chat]
+                turn = rng.choice((64, 128, 256, 384))
+            else:
+                chat = rng.choice(chats)
+                chat[0] = chat[0] + [{"role": "assistant", "content": "Sure, go on."}]
+                turn = rng.choice((8, 16, 32))
+            chat[0] = chat[0] + [{"role": "user", "content": passage(turn)}]
+            chat[1] += turn + 12
+            if chat[1] > CHAT_TOKENS:
+                chats.remove(chat)
+            path, body["messages"] = "/v1/chat/completions", chat[0]
+        if i % 5 == 1:
+            body.update(stream=True, stream_options={"include_usage": True})
+        if i % 11 == 4:
+            body.update(seed=i, temperature=0.7, top_p=0.9)
+        if i % 13 == 6:
+            body.update(stop=["\n", "."], logprobs=True, top_logprobs=3)
+        hang_up = i % 25 == 24
+        if hang_up:
+            body.update(stream=True, max_tokens=16)
+        out.append((path, body, hang_up))
+    return out
+
+
+def send(srv, path, body, timeout):
+    req = urllib.request.Request(srv.url(path), data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.read()
+
+
+def hang_up(srv, path, body, timeout):
+    """A streamed request whose client leaves after its first data line."""
+    data = json.dumps(body).encode()
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=timeout) as sock:
+        sock.sendall(head + data)
+        reader = sock.makefile("rb")
+        for line in iter(reader.readline, b""):
+            if line.startswith(b"data:"):
+                break
+        reader.close()
+
+
+def run_server(name, argv, requests, args, log):
+    """RSS (MB) after each request."""
+    rss = []
+    with Server(argv, log) as srv:
+        srv.wait_ready(args.start_timeout)
+        print(f"server {name}: pid={srv.proc.pid} ready_rss_mb={srv.status_mb('VmRSS'):.0f}",
+              flush=True)
+        start = time.monotonic()
+        for i, (path, body, leaves) in enumerate(requests):
+            (hang_up if leaves else send)(srv, path, body, args.timeout)
+            rss.append(srv.status_mb("VmRSS"))
+            if (i + 1) % args.every == 0 or i + 1 == len(requests):
+                print(f"server={name} requests={i + 1} rss_mb={rss[-1]:.0f} "
+                      f"max_rss_mb={max(rss):.0f} elapsed_s={time.monotonic() - start:.0f} "
+                      f"load1={os.getloadavg()[0]:.1f}", flush=True)
+    return rss
+
+
+def summary(rss, warmup):
+    base = rss[warmup - 1]
+    after = rss[warmup - 1:]
+    return {"rss_first_mb": rss[0], "rss_warm_mb": base, "rss_last_mb": rss[-1],
+            "rss_max_after_warmup_mb": max(after), "rss_min_after_warmup_mb": min(after),
+            "rise_after_warmup": max(after) / base - 1,
+            "flat": max(after) <= base * (1 + FLAT)}
+
+
+def setup_arg_parser():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=150)
+    p.add_argument("--warmup", type=int, default=50, help="requests before the reference")
+    p.add_argument("--servers", nargs="+", default=["stock", "h2o"], choices=("stock", "h2o"))
+    p.add_argument("--model", default=None, help="local mlx-lm model folder "
+                   "(default: the packaged SmolLM2)")
+    p.add_argument("--server-args", default="", help="extra flags for every server")
+    p.add_argument("--h2o-args", default="", help="extra flags for mlx-h2o serve")
+    p.add_argument("--every", type=int, default=25, help="requests between printed lines")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--side-by-side", action="store_true",
+                   help="run the servers at the same time, not one after the other")
+    p.add_argument("--timeout", type=float, default=300, help="seconds a request may take")
+    p.add_argument("--start-timeout", type=float, default=300, help="seconds to /health")
+    return p
+
+
+def _interrupt(*_):
+    raise KeyboardInterrupt  # SIGTERM: unwind, so every server is stopped
+
+
+def main():
+    args = setup_arg_parser().parse_args()
+    if not 1 <= args.warmup <= args.requests:
+        raise SystemExit("--warmup must be between 1 and --requests")
+    signal.signal(signal.SIGTERM, _interrupt)
+    import mlx.core as mx
+    import mlx_lm
+
+    from mlx_h2o.models import resolve_model
+
+    model = Path(args.model or resolve_model("smollm2-135m"))
+    tok, *_ = model_info(model)
+    requests = make_requests(tok, args.requests, args.seed)
+    common = shlex.split(args.server_args)
+    argv = {"stock": ["-m", "mlx_lm", "server", "--model", str(model), *common],
+            "h2o": ["-m", "mlx_h2o", "serve", "--model", str(model), *common,
+                    *shlex.split(args.h2o_args)]}
+    print(f"config: model={model.name} requests={args.requests} warmup={args.warmup} "
+          f"seed={args.seed} server_args='{args.server_args}' h2o_args='{args.h2o_args}' "
+          f"mlx={mx.__version__} mlx_lm={mlx_lm.__version__} "
+          f"python={platform.python_version()} cpus={os.cpu_count()}", flush=True)
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="serve_memory_") as tmp:
+        def measure(name):
+            rss = run_server(name, argv[name], requests, args, Path(tmp) / f"{name}.log")
+            results[name] = {**summary(rss, args.warmup), "rss_mb": [round(r) for r in rss]}
+
+        if args.side_by_side:
+            # Daemons: an interrupted run exits, and its servers die with their threads.
+            threads = [threading.Thread(target=measure, args=(n,), daemon=True)
+                       for n in args.servers]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        else:
+            for name in args.servers:
+                measure(name)
+        if len(results) < len(args.servers):
+            raise SystemExit("a server failed: see the lines above")
+    print("| server | RSS after 1 | after warm-up | last | max after warm-up | rise | flat "
+          "(<= 5%) |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {r['rss_first_mb']:.0f} | {r['rss_warm_mb']:.0f} | "
+              f"{r['rss_last_mb']:.0f} | {r['rss_max_after_warmup_mb']:.0f} | "
+              f"{100 * r['rise_after_warmup']:+.1f}% | {'yes' if r['flat'] else 'no'} |")
+    print(json.dumps({"config": vars(args), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
+                      "results": results}))
+
+
+if __name__ == "__main__":
+    main()
