@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_bench import HOST  # noqa: E402
+from serve_load import HOST  # noqa: E402
 
 CHAT = "/v1/chat/completions"
 LONG_ANSWER = 200  # tokens the clients that leave ask for

@@ -35,7 +35,8 @@ from hostile_cases import (  # noqa: E402
     as_expected,
     normal,
 )
-from serve_bench import Server, model_info  # noqa: E402
+from serve_load import Server  # noqa: E402
+from serve_model import model_info  # noqa: E402
 
 # mlx-h2o serve's limits in this tool: short timeouts, so a case that waits
 # for them is quick; a prompt limit a test prompt can pass.

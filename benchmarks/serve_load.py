@@ -64,6 +64,12 @@ class Server:
                                       str(self.port)], stdout=self._out,
                                      stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
     def url(self, path):
         return f"http://{HOST}:{self.port}{path}"
 

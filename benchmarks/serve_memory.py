@@ -35,7 +35,8 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_bench import PROSE, Server, model_info  # noqa: E402
+from serve_load import Server  # noqa: E402
+from serve_model import PROSE, model_info  # noqa: E402
 
 FLAT = 0.05  # the largest rise over the warm-up's end that counts as flat
 

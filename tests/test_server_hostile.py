@@ -51,7 +51,7 @@ def served(tmp_path_factory):
     listener.start()
     try:
         srv.wait_ready()
-        from serve_bench import model_info  # beside hostile_cases.py, on its path
+        from serve_model import model_info  # beside hostile_cases.py, on its path
 
         _, eos, _, _ = model_info(Path(model))
         ctx = hostile.Context(srv.port, "tiny", eos, PROMPT_LIMIT, wait=10, listener=listener,
