@@ -310,42 +310,11 @@ class BatchH2OKVCache(BatchRows):
             rows = mx.array(replace)[:, None, None]
             self.score = mx.where(rows, 0.0, self.score)
             self.count = mx.where(rows, 0.0, self.count)
-        select, columns = self._selection(spans, over, L)
+        select, columns = bs.selection(cfg.prefill_window, spans, over, L)
         compact = tuple(b for b, o in enumerate(over) if o and cfg.prefill_compact == "chunk")
         self._call = _Call(mx.array(qpos), select, mx.array(over) if any(over) else None,
-                           compact, self._expected_rows(spans, over), columns)
-
-    def _selection(self, spans, over, L):
-        """(select, columns): the queries each row folds, (B, L) bool (an
-        overflowing row: its last ``prefill_window``; 0: all), or, when no
-        row folds more than W = ``prefill_window`` > 1 of them, (B, W) bool
-        over ``columns`` (B, W), each row's last W query columns (the
-        chunk's first W where a row ends before W)."""
-        W = self.config.prefill_window
-        select = np.zeros((len(spans), L), bool)
-        for b, (start, c) in enumerate(spans):
-            first = start + c - W if over[b] and 0 < W < c else start
-            select[b, first : start + c] = True
-        if not 1 < W < L or select.sum(axis=1).max() > W:
-            return mx.array(select), None
-        columns = self._window_columns(spans)
-        return mx.array(np.take_along_axis(select, columns, axis=1)), mx.array(columns)
-
-    def _window_columns(self, spans) -> np.ndarray:
-        """(B, W) int32: each row's last W = ``prefill_window`` query columns."""
-        W = self.config.prefill_window
-        ends = np.array([max(start + c, W) for start, c in spans])
-        return (ends[:, None] - W + np.arange(W)).astype(np.int32)
-
-    def _expected_rows(self, spans, over):
-        """(rows, window) for an expected-attention mode: rows (B,) whose chunk
-        is scored by its window (``policy.scored_by_window``), window (B, W)
-        their last W queries (other rows: any)."""
-        rows = [policy.scored_by_window(self.config, c, o, self.window_size)
-                for o, (_, c) in zip(over, spans)]
-        if score_mode(self.config.score).prefill != "expected" or not any(rows):
-            return None
-        return mx.array(rows), mx.array(self._window_columns(spans))
+                           compact, bs.expected_rows(cfg, self.window_size, spans, over),
+                           columns)
 
     # --- merging single caches --------------------------------------------------------
     @classmethod

@@ -156,7 +156,7 @@ class BatchRows:
             self.kept[b] -= 1
 
     def _compact(self, rows: List[int]):
-        """``rows`` keep their ``max_size`` best tokens (H2OKVCache._compact)."""
+        """``rows`` keep their ``max_size`` best tokens (SlotCache._compact)."""
         if not rows:
             return
         pos, score, count = self._meta()

@@ -13,9 +13,11 @@ Shapes: positions, score, count (B, n_kv_heads, N); keys, values
 from typing import Optional
 
 import mlx.core as mx
+import numpy as np
 
 from .. import policy
 from ..config import H2OConfig
+from ..scores import score_mode
 
 EMPTY = policy.EMPTY
 
@@ -133,3 +135,38 @@ def stacked(states, sizes):
         for a, x in zip(out, s):
             a[i : i + 1, :, :n] = x[:, :, :n]
     return out
+
+
+# --- which queries of a prompt chunk each row folds --------------------------------
+def selection(W: int, spans, over, L: int):
+    """(select, columns) of a chunk of L queries, rows' ``spans`` (first, count)
+    of their own tokens, ``over`` the rows whose chunk overflows: (B, L) bool,
+    the queries each row folds (an overflowing row: its last W =
+    ``prefill_window``; 0: all), or, when no row folds more than W > 1 of them,
+    (B, W) bool over ``columns`` (B, W), each row's last W query columns (the
+    chunk's first W where a row ends before W)."""
+    select = np.zeros((len(spans), L), bool)
+    for b, (start, c) in enumerate(spans):
+        first = start + c - W if over[b] and 0 < W < c else start
+        select[b, first : start + c] = True
+    if not 1 < W < L or select.sum(axis=1).max() > W:
+        return mx.array(select), None
+    columns = window_columns(W, spans)
+    return mx.array(np.take_along_axis(select, columns, axis=1)), mx.array(columns)
+
+
+def window_columns(W: int, spans) -> np.ndarray:
+    """(B, W) int32: each row's last W query columns."""
+    ends = np.array([max(start + c, W) for start, c in spans])
+    return (ends[:, None] - W + np.arange(W)).astype(np.int32)
+
+
+def expected_rows(config: H2OConfig, window_size, spans, over):
+    """(rows, window) for an expected-attention mode: rows (B,) whose chunk
+    is scored by its window (``policy.scored_by_window``), window (B, W)
+    their last W queries (other rows: any); None for other modes."""
+    rows = [policy.scored_by_window(config, c, o, window_size)
+            for o, (_, c) in zip(over, spans)]
+    if score_mode(config.score).prefill != "expected" or not any(rows):
+        return None
+    return mx.array(rows), mx.array(window_columns(config.prefill_window, spans))
