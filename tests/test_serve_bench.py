@@ -155,7 +155,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 mode, limit = sys.argv[1], int(sys.argv[2])
 if mode == "no-start":
-    sys.exit("ValueError: --h2o-max-size must be >= 1")
+    sys.exit("ValueError: --max-kv-size must be >= 1")
 lock, state = threading.Lock(), {"busy": 0, "dead": False}
 
 
@@ -169,8 +169,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        print("request", body["max_tokens"], flush=True)
-        with lock:
+        with lock:  # one whole line at a time: the load's requests arrive together
+            print(f"request {body['max_tokens']}", flush=True)
             state["busy"] += 1
         time.sleep(0.5)  # the load's other requests arrive
         if state["busy"] > limit:
