@@ -12,12 +12,13 @@ grows past the budget (a chat is left at 900 tokens); new chats of 64-384
 tokens; short text completions. ``--mix fresh``: a new prompt of 64-384
 tokens every request, chat or text. Both: 1-4 generated tokens, streamed or
 not, some seeded and sampled (the one-at-a-time path), some with stop words
-or logprobs, and every 25th a client that hangs up mid-stream. The server's resident memory (/proc VmRSS)
-is read after each answer. Memory is flat when every reading after
-``--warmup`` requests stays within 5% of the reading at the warm-up's end. ``--side-by-side`` runs the servers at the
-same time (a client each), so that the load of a shared machine hits them
-alike. Prints a config header, a line per checkpoint, a summary table and a
-final JSON line. Every server started is stopped.
+or logprobs, and every 25th a client that hangs up mid-stream. The server's
+resident memory (/proc VmRSS) is read after each answer. Memory is flat when
+every reading after ``--warmup`` requests stays within 5% of the reading at
+the warm-up's end. ``--side-by-side`` runs the servers at the same time (a
+client each), so that the load of a shared machine hits them alike. Prints
+a config header, a line per checkpoint, a summary table and a final JSON
+line. Every server started is stopped.
 """
 
 import argparse
