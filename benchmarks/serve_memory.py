@@ -1,22 +1,24 @@
 """Server memory over many sequential mixed requests: stock mlx_lm.server vs mlx-h2o serve.
 
     python benchmarks/serve_memory.py [--requests 150] [--warmup 50] [--servers stock h2o]
-        [--model PATH] [--server-args "..."] [--h2o-args "..."] [--seed 0]
+        [--mix chat|fresh] [--side-by-side] [--model PATH] [--server-args "..."]
+        [--h2o-args "..."] [--seed 0]
 
 Each server in turn is started on 127.0.0.1 (a free port) and sent the same
-``--requests`` requests one after another, from shuffled prose: mostly the
-next turn (8-32 tokens) of one of 6 open chats, whose caches the server
-fetches from its prompt cache, trims and grows past the budget (a chat is
-left at 900 tokens); new chats of 64-384 tokens; short text completions;
-1-4 generated tokens; streamed or not, some seeded and sampled (the
-one-at-a-time path), some with stop words or logprobs, and every 25th a
-client that hangs up mid-stream. The
-server's resident memory (/proc VmRSS) is read after each answer. Memory is
-flat when every reading after ``--warmup`` requests stays within 5% of the
-reading at the warm-up's end. ``--side-by-side`` runs the servers at the
-same time (a client each), so that the load of a shared machine hits them
-alike. Prints a config header, a line per checkpoint, a summary table and a
-final JSON line. Every server started is stopped.
+``--requests`` requests one after another, from shuffled prose. ``--mix
+chat`` (the default): mostly the next turn (8-32 tokens) of one of 6 open
+chats, whose caches the server fetches from its prompt cache, trims and
+grows past the budget (a chat is left at 900 tokens); new chats of 64-384
+tokens; short text completions. ``--mix fresh``: a new prompt of 64-384
+tokens every request, chat or text. Both: 1-4 generated tokens, streamed or
+not, some seeded and sampled (the one-at-a-time path), some with stop words
+or logprobs, and every 25th a client that hangs up mid-stream. The server's
+resident memory (/proc VmRSS) is read after each answer. Memory is flat when
+every reading after ``--warmup`` requests stays within 5% of the reading at
+the warm-up's end. ``--side-by-side`` runs the servers at the same time (a
+client each), so that the load of a shared machine hits them alike. Prints
+a config header, a line per checkpoint, a summary table and a final JSON
+line. Every server started is stopped.
 """
 
 import argparse
@@ -45,10 +47,12 @@ CHATS = 6  # conversations open at a time
 CHAT_TOKENS = 900  # a conversation this long is left for a new one
 
 
-def make_requests(tokenizer, n, seed):
-    """``n`` request bodies (path, body, hang_up) from one seed: mostly the
-    next turn of one of a few open chats (their caches fetched from the prompt
-    cache, trimmed, grown past the budget), some new chats, some text."""
+def make_requests(tokenizer, n, seed, mix="chat"):
+    """``n`` request bodies (path, body, hang_up) from one seed. ``mix``
+    "chat": mostly the next turn of one of a few open chats (their caches
+    fetched from the prompt cache, trimmed, grown past the budget), some new
+    chats, some text; "fresh": every request a new prompt of 64-384 tokens,
+    chat or text (nothing reused, prompts past the budget compacted)."""
     rng = random.Random(seed)
     sentences = PROSE.read_text().replace("\n", " ").split(". ")
 
@@ -61,7 +65,14 @@ def make_requests(tokenizer, n, seed):
     for i in range(n):
         body = {"max_tokens": rng.randint(1, 4), "temperature": 0.0}
         roll = rng.random()
-        if roll < 0.1:
+        if mix == "fresh":
+            text = passage(rng.choice((64, 128, 256, 384)))
+            if roll < 0.5:
+                path, body["prompt"] = "/v1/completions", text
+            else:
+                path, body["messages"] = "/v1/chat/completions", [
+                    {"role": "user", "content": text}]
+        elif roll < 0.1:
             path, body["prompt"] = "/v1/completions", passage(rng.choice((8, 16, 32, 64)))
         else:
             if roll < 0.3 or not chats:
@@ -149,6 +160,8 @@ def setup_arg_parser():
     p.add_argument("--h2o-args", default="", help="extra flags for mlx-h2o serve")
     p.add_argument("--every", type=int, default=25, help="requests between printed lines")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mix", default="chat", choices=("chat", "fresh"),
+                   help="chat: next turns of open chats; fresh: a new prompt each request")
     p.add_argument("--side-by-side", action="store_true",
                    help="run the servers at the same time, not one after the other")
     p.add_argument("--timeout", type=float, default=300, help="seconds a request may take")
@@ -172,12 +185,13 @@ def main():
 
     model = Path(args.model or resolve_model("smollm2-135m"))
     tok, *_ = model_info(model)
-    requests = make_requests(tok, args.requests, args.seed)
+    requests = make_requests(tok, args.requests, args.seed, args.mix)
     common = shlex.split(args.server_args)
     argv = {"stock": ["-m", "mlx_lm", "server", "--model", str(model), *common],
             "h2o": ["-m", "mlx_h2o", "serve", "--model", str(model), *common,
                     *shlex.split(args.h2o_args)]}
-    print(f"config: model={model.name} requests={args.requests} warmup={args.warmup} "
+    print(f"config: model={model.name} mix={args.mix} requests={args.requests} "
+          f"warmup={args.warmup} side_by_side={args.side_by_side} "
           f"seed={args.seed} server_args='{args.server_args}' h2o_args='{args.h2o_args}' "
           f"mlx={mx.__version__} mlx_lm={mlx_lm.__version__} "
           f"python={platform.python_version()} cpus={os.cpu_count()}", flush=True)
