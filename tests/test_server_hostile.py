@@ -42,7 +42,7 @@ def served(tmp_path_factory):
     """(server, context, the normal request's answer at start)."""
     tmp = tmp_path_factory.mktemp("hostile")
     model = str(save_tiny_model(tmp / "tiny"))
-    srv = Server(["-m", "mlx_h2o", "serve", "--model", model, "--h2o-max-size", "64",
+    srv = Server(["-m", "mlx_h2o", "serve", "--model", model, "--max-kv-size", "64",
                   "--h2o-layer-budget", "uniform", "--max-tokens", "8",
                   "--header-timeout", str(TIMEOUT), "--body-timeout", str(TIMEOUT),
                   "--max-prompt-tokens", str(PROMPT_LIMIT), "--max-tokens-limit", str(LONG)],
