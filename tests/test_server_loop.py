@@ -1,15 +1,21 @@
-"""The guarded generation loop of mlx-h2o serve, in process (no HTTP).
+"""The guarded generation loop of mlx-h2o serve, in process.
 
 A request whose generation fails (a logits processor that raises inside the
 batch step, as an out-of-range sampling argument does in mlx-lm) ends with
 a 500 error and the next request is answered; stock mlx-lm's loop dies
-there. A failure that no new request brought ends the loop (health 503).
+there. Over HTTP the failure is a 500 JSON error, or (streamed, after the
+headers) an error event. A failure that no new request brought ends the
+loop (health 503).
 Prompts over --max-prompt-tokens, or of no tokens, are refused before they
 are queued. Released H2O caches are freed while the server runs.
 """
 
 import gc
+import json
+import threading
 import time
+import urllib.error
+import urllib.request
 
 import mlx_lm.server as server
 import pytest
@@ -127,3 +133,41 @@ def test_released_h2o_caches_are_freed_while_serving(model_dir):
         gc.enable()
     assert held > 0 and live <= held + layers  # (without the collections: 82 here)
 
+
+
+@pytest.fixture
+def http_port(generator):
+    """``generator`` behind the guarded HTTP handler on 127.0.0.1 (in process)."""
+    from mlx_h2o.integration.guarded_handler import GuardedAPIHandler, GuardedHTTPServer
+
+    httpd = GuardedHTTPServer(("127.0.0.1", 0),
+                              lambda *a, **k: GuardedAPIHandler(generator, *a, **k))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield httpd.server_address[1]
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def post(port, body):
+    """(status, body bytes) of a text completion."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                     data=json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_a_failed_generation_is_answered_with_an_error(http_port):
+    body = {"prompt": "the cat sat", "max_tokens": 4, "repetition_penalty": 1.1,
+            "repetition_context_size": FAIL}
+    status, data = post(http_port, body)
+    assert status == 500 and json.loads(data)["error"]["code"] == "generation_failed"
+    status, data = post(http_port, dict(body, stream=True))  # headers sent: an error event
+    events = [l for l in data.decode().splitlines() if l.startswith("data: ")]
+    assert status == 200 and json.loads(events[-1][6:])["error"]["code"] == "generation_failed"
+    assert "data: [DONE]" not in events
+    status, data = post(http_port, dict(body, repetition_context_size=20))
+    assert status == 200 and json.loads(data)["usage"]["completion_tokens"] >= 1
