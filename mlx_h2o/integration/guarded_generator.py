@@ -76,6 +76,8 @@ class GuardedResponseGenerator(server.ResponseGenerator):
         if not self.generation_available():
             raise RuntimeError("generation thread died")
         tokenized = self._tokenize_here(request, generation_args)
+        if tokenized[4] is not None:  # images: the loop decodes them again, as mlx-lm
+            tokenized = None          # does (no pixel arrays on a request other ranks get)
         request = TokenizedRequest(**vars(request), tokenized=tokenized)
         return super().generate(request, generation_args, progress_callback)
 
