@@ -59,16 +59,20 @@ def generator(model_dir, monkeypatch):
     gen.stop_and_join()
 
 
-def ask(gen, prompt, context_size=20, seed=None):
-    """The tokens of a greedy text completion of 4 tokens."""
-    request = server.CompletionRequest("text", prompt, [], None, None)
-    args = server.GenerationArguments(
+def arguments(context_size=20, seed=None):
+    """mlx-lm's generation arguments of a greedy request for 4 tokens."""
+    return server.GenerationArguments(
         model=server.ModelDescription("default_model", "default_model", None),
         sampling=server.SamplingArguments(0.0, 1.0, 0, 0.0, 0.0, 0.1),
         logits=server.LogitsProcessorArguments(None, 0.0, context_size, 0.0, 20, 0.0, 20),
         stop_words=[], max_tokens=4, num_draft_tokens=0, logprobs=False, top_logprobs=-1,
         seed=seed, chat_template_kwargs=None)
-    _, responses = gen.generate(request, args)
+
+
+def ask(gen, prompt, context_size=20, seed=None):
+    """The tokens of a greedy text completion of 4 tokens."""
+    request = server.CompletionRequest("text", prompt, [], None, None)
+    _, responses = gen.generate(request, arguments(context_size, seed))
     return [r.token for r in responses]
 
 
@@ -171,3 +175,15 @@ def test_a_failed_generation_is_answered_with_an_error(http_port):
     assert "data: [DONE]" not in events
     status, data = post(http_port, dict(body, repetition_context_size=20))
     assert status == 200 and json.loads(data)["usage"]["completion_tokens"] >= 1
+
+
+def test_prompts_with_images_are_checked_by_the_loop(generator):
+    """Images are prepared on the generation loop's thread; what it refuses
+    there (here: image parts for a text-only model) is the request's 400."""
+    request = server.CompletionRequest("chat", "", [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "text", "text": "what is it?"}]}], None, None)
+    with pytest.raises(RequestError) as e:
+        generator.generate(request, arguments())
+    assert e.value.status == 400 and e.value.param == "messages"
+    assert generator.is_healthy and len(ask(generator, "the cat")) == 4

@@ -2,9 +2,10 @@
 
 ``GuardedResponseGenerator`` is ``mlx_lm.server.ResponseGenerator`` with:
 
-- prompts tokenized in the HTTP handler's thread, not the generation loop's:
-  a prompt over ``--max-prompt-tokens`` (or of no tokens, or that the chat
-  template refuses) is refused there, and a long one never stalls the batch;
+- prompts tokenized in the HTTP handler's thread, not the generation loop's
+  (those with images excepted): a prompt over ``--max-prompt-tokens`` (or of
+  no tokens, or that the chat template refuses) is refused there, and a long
+  one never stalls the batch;
 - a loop that outlives a failure: the requests it was serving end with an
   error and the loop starts again (a failure that no new request brought
   ends it, as in mlx-lm, and ``/health`` answers 503);
@@ -24,7 +25,7 @@ from typing import Optional
 
 import mlx_lm.server as server
 
-from .request_checks import RequestError
+from .request_checks import IMAGE_PARTS, RequestError
 from .served import ServedModel, ServerLimits
 
 
@@ -37,6 +38,11 @@ class TokenizedRequest(server.CompletionRequest):
 
 
 GC_INTERVAL = 1.0  # seconds between collections while requests are served
+
+
+def _has_images(messages) -> bool:
+    return any(isinstance(part, dict) and part.get("type") in IMAGE_PARTS
+               for m in messages if isinstance(m.get("content"), list) for part in m["content"])
 
 
 class _OpenQueue:
@@ -72,17 +78,22 @@ class GuardedResponseGenerator(server.ResponseGenerator):
 
     def generate(self, request, generation_args, progress_callback=None):
         """``ResponseGenerator.generate`` after tokenizing the prompt here (the
-        handler's thread): RequestError for a prompt the server refuses."""
+        handler's thread): RequestError for a prompt the server refuses. A
+        prompt with images is prepared by the loop, as mlx-lm does (its image
+        arrays are made on the generation stream), and checked there."""
         if not self.generation_available():
             raise RuntimeError("generation thread died")
-        tokenized = self._tokenize_here(request, generation_args)
+        tokenized, tokenizer = None, self.model_provider.tokenizer
+        if not _has_images(request.messages):
+            tokenized = self._checked_tokens(request, generation_args, tokenizer)
         request = TokenizedRequest(**vars(request), tokenized=tokenized)
         return super().generate(request, generation_args, progress_callback)
 
-    def _tokenize_here(self, request, args) -> tuple:
+    def _checked_tokens(self, request, args, tokenizer) -> tuple:
+        """mlx-lm's ``_tokenize``; RequestError for what the server refuses."""
         field = "messages" if request.request_type == "chat" else "prompt"
         try:
-            tokenized = super()._tokenize(self.model_provider.tokenizer, request, args)
+            tokenized = super()._tokenize(tokenizer, request, args)
         except Exception as e:  # the template or tokenizer refused the request's data
             logging.info("request refused at tokenization: %r", e)
             first = next((l for l in str(e).splitlines() if l.strip()), type(e).__name__)
@@ -99,7 +110,7 @@ class GuardedResponseGenerator(server.ResponseGenerator):
     def _tokenize(self, tokenizer, request, args):
         tokenized = getattr(request, "tokenized", None)
         if tokenized is None:
-            return super()._tokenize(tokenizer, request, args)
+            return self._checked_tokens(request, args, tokenizer)
         prompt, segments, types, state, vision = tokenized  # fresh lists: the loop edits them
         return list(prompt), [list(s) for s in segments], list(types), state, vision
 
