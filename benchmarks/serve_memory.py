@@ -1,7 +1,7 @@
 """Server memory over many sequential mixed requests: stock mlx_lm.server vs mlx-h2o serve.
 
     python benchmarks/serve_memory.py [--requests 150] [--warmup 50] [--servers stock h2o]
-        [--mix chat|fresh] [--side-by-side] [--model PATH] [--server-args "..."]
+        [--mix chat|varied] [--side-by-side] [--model PATH] [--server-args "..."]
         [--h2o-args "..."] [--seed 0]
 
 Each server in turn is started on 127.0.0.1 (a free port) and sent the same
@@ -9,10 +9,11 @@ Each server in turn is started on 127.0.0.1 (a free port) and sent the same
 chat`` (the default): mostly the next turn (8-32 tokens) of one of 6 open
 chats, whose caches the server fetches from its prompt cache, trims and
 grows past the budget (a chat is left at 900 tokens); new chats of 64-384
-tokens; short text completions. ``--mix fresh``: a new prompt of 64-384
-tokens every request, chat or text. Both: 1-4 generated tokens, streamed or
-not, some seeded and sampled (the one-at-a-time path), some with stop words
-or logprobs, and every 25th a client that hangs up mid-stream. The server's
+tokens; short text completions; 1-4 generated tokens. ``--mix varied``:
+prompts of 8-400 tokens, chat or text, every 7th the next turn of an earlier
+chat; 1-16 generated tokens. Both: streamed or not, some seeded and sampled
+(the one-at-a-time path), some with stop words or logprobs, and every 25th
+a client that hangs up mid-stream. The server's
 resident memory (/proc VmRSS) is read after each answer. Memory is flat when
 every reading after ``--warmup`` requests stays within 5% of the reading at
 the warm-up's end. ``--side-by-side`` runs the servers at the same time (a
@@ -50,8 +51,8 @@ def make_requests(tokenizer, n, seed, mix="chat"):
     """``n`` request bodies (path, body, hang_up) from one seed. ``mix``
     "chat": mostly the next turn of one of a few open chats (their caches
     fetched from the prompt cache, trimmed, grown past the budget), some new
-    chats, some text; "fresh": every request a new prompt of 64-384 tokens,
-    chat or text (nothing reused, prompts past the budget compacted)."""
+    chats, some text; "varied": prompts of 8-400 tokens, chat or text, every
+    7th the next turn of an earlier chat, 1-16 generated tokens."""
     rng = random.Random(seed)
     sentences = PROSE.read_text().replace("\n", " ").split(". ")
 
@@ -60,33 +61,9 @@ def make_requests(tokenizer, n, seed, mix="chat"):
         ids = tokenizer.encode(". ".join(sentences), add_special_tokens=False).ids
         return tokenizer.decode(ids[:tokens])
 
-    chats, out = [], []  # chats: [messages, tokens]
+    chats, out = [], []
     for i in range(n):
-        body = {"max_tokens": rng.randint(1, 4), "temperature": 0.0}
-        roll = rng.random()
-        if mix == "fresh":
-            text = passage(rng.choice((64, 128, 256, 384)))
-            if roll < 0.5:
-                path, body["prompt"] = "/v1/completions", text
-            else:
-                path, body["messages"] = "/v1/chat/completions", [
-                    {"role": "user", "content": text}]
-        elif roll < 0.1:
-            path, body["prompt"] = "/v1/completions", passage(rng.choice((8, 16, 32, 64)))
-        else:
-            if roll < 0.3 or not chats:
-                chat = [[], 0]
-                chats = chats[-(CHATS - 1):] + [chat]
-                turn = rng.choice((64, 128, 256, 384))
-            else:
-                chat = rng.choice(chats)
-                chat[0] = chat[0] + [{"role": "assistant", "content": "Sure, go on."}]
-                turn = rng.choice((8, 16, 32))
-            chat[0] = chat[0] + [{"role": "user", "content": passage(turn)}]
-            chat[1] += turn + 12
-            if chat[1] > CHAT_TOKENS:
-                chats.remove(chat)
-            path, body["messages"] = "/v1/chat/completions", chat[0]
+        path, body = (_varied if mix == "varied" else _chat_turn)(i, rng, passage, chats)
         if i % 5 == 1:
             body.update(stream=True, stream_options={"include_usage": True})
         if i % 11 == 4:
@@ -98,6 +75,42 @@ def make_requests(tokenizer, n, seed, mix="chat"):
             body.update(stream=True, max_tokens=16)
         out.append((path, body, hang_up))
     return out
+
+
+def _chat_turn(i, rng, passage, chats):
+    """(path, body) of the chat mix; ``chats``: the open ones, [messages, tokens]."""
+    body = {"max_tokens": rng.randint(1, 4), "temperature": 0.0}
+    roll = rng.random()
+    if roll < 0.1:
+        return "/v1/completions", dict(body, prompt=passage(rng.choice((8, 16, 32, 64))))
+    if roll < 0.3 or not chats:
+        chat = [[], 0]
+        chats[:] = chats[-(CHATS - 1):] + [chat]
+        turn = rng.choice((64, 128, 256, 384))
+    else:
+        chat = rng.choice(chats)
+        chat[0] = chat[0] + [{"role": "assistant", "content": "Sure, go on."}]
+        turn = rng.choice((8, 16, 32))
+    chat[0] = chat[0] + [{"role": "user", "content": passage(turn)}]
+    chat[1] += turn + 12
+    if chat[1] > CHAT_TOKENS:
+        chats.remove(chat)
+    return "/v1/chat/completions", dict(body, messages=chat[0])
+
+
+def _varied(i, rng, passage, chats):
+    """(path, body) of the varied mix; ``chats``: earlier chats, their answers."""
+    text = passage(rng.choice((8, 16, 40, 80, 150, 250, 400)))
+    body = {"max_tokens": rng.randint(1, 16), "temperature": 0.0}
+    if i % 7 == 3 and chats:
+        messages = rng.choice(chats) + [{"role": "user", "content": text[:200]}]
+    else:
+        messages = [{"role": "user", "content": text}]
+    if rng.random() < 1 / 3:
+        return "/v1/completions", dict(body, prompt=text)
+    if len(chats) < 8:
+        chats.append(messages + [{"role": "assistant", "content": "Yes."}])
+    return "/v1/chat/completions", dict(body, messages=messages)
 
 
 def send(srv, path, body, timeout):
@@ -159,8 +172,8 @@ def setup_arg_parser():
     p.add_argument("--h2o-args", default="", help="extra flags for mlx-h2o serve")
     p.add_argument("--every", type=int, default=25, help="requests between printed lines")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--mix", default="chat", choices=("chat", "fresh"),
-                   help="chat: next turns of open chats; fresh: a new prompt each request")
+    p.add_argument("--mix", default="chat", choices=("chat", "varied"),
+                   help="chat: next turns of open chats; varied: prompts of 8-400 tokens")
     p.add_argument("--side-by-side", action="store_true",
                    help="run the servers at the same time, not one after the other")
     p.add_argument("--timeout", type=float, default=300, help="seconds a request may take")
