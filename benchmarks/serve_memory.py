@@ -14,9 +14,10 @@ prompts of 8-400 tokens, chat or text, every 7th the next turn of an earlier
 chat; 1-16 generated tokens. Both: streamed or not, some seeded and sampled
 (the one-at-a-time path), some with stop words or logprobs, and every 25th
 a client that hangs up mid-stream. The server's
-resident memory (/proc VmRSS) is read after each answer. Memory is flat when
-every reading after ``--warmup`` requests stays within 5% of the reading at
-the warm-up's end. ``--side-by-side`` runs the servers at the same time (a
+resident memory (/proc VmRSS) is read after each answer, and mlx-h2o
+serve's MLX active memory (its /health; on a GPU, device memory). Memory is
+flat when every reading after ``--warmup`` requests stays within 5% of the
+reading at the warm-up's end. ``--side-by-side`` runs the servers at the same time (a
 client each), so that the load of a shared machine hits them alike. Prints
 a config header, a line per checkpoint, a summary table and a final JSON
 line. Every server started is stopped.
@@ -38,7 +39,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_bench import PROSE, Server, model_info  # noqa: E402
+from serve_bench import MB, PROSE, Server, model_info  # noqa: E402
 
 FLAT = 0.05  # the largest rise over the warm-up's end that counts as flat
 
@@ -134,9 +135,19 @@ def hang_up(srv, path, body, timeout):
         reader.close()
 
 
+def mlx_active_mb(srv):
+    """The server's MLX active memory (mlx-h2o serve's /health); None if not told."""
+    try:
+        with urllib.request.urlopen(srv.url("/health"), timeout=30) as r:
+            memory = json.loads(r.read()).get("mlx_memory")
+    except (OSError, ValueError):
+        return None
+    return memory["active"] / MB if memory else None
+
+
 def run_server(name, argv, requests, args, log):
-    """RSS (MB) after each request."""
-    rss = []
+    """{"rss": MB after each request, "mlx_active": MB after each (or None)}."""
+    series = {"rss": [], "mlx_active": []}
     with Server(argv, log) as srv:
         srv.wait_ready(args.start_timeout)
         print(f"server {name}: pid={srv.proc.pid} ready_rss_mb={srv.status_mb('VmRSS'):.0f}",
@@ -144,21 +155,42 @@ def run_server(name, argv, requests, args, log):
         start = time.monotonic()
         for i, (path, body, leaves) in enumerate(requests):
             (hang_up if leaves else send)(srv, path, body, args.timeout)
-            rss.append(srv.status_mb("VmRSS"))
+            series["rss"].append(srv.status_mb("VmRSS"))
+            series["mlx_active"].append(mlx_active_mb(srv))
             if (i + 1) % args.every == 0 or i + 1 == len(requests):
-                print(f"server={name} requests={i + 1} rss_mb={rss[-1]:.0f} "
-                      f"max_rss_mb={max(rss):.0f} elapsed_s={time.monotonic() - start:.0f} "
+                active = series["mlx_active"][-1]
+                print(f"server={name} requests={i + 1} rss_mb={series['rss'][-1]:.0f} "
+                      f"max_rss_mb={max(series['rss']):.0f} mlx_active_mb="
+                      f"{'-' if active is None else f'{active:.0f}'} "
+                      f"elapsed_s={time.monotonic() - start:.0f} "
                       f"load1={os.getloadavg()[0]:.1f}", flush=True)
-    return rss
+    return series
 
 
-def summary(rss, warmup):
-    base = rss[warmup - 1]
-    after = rss[warmup - 1:]
-    return {"rss_first_mb": rss[0], "rss_warm_mb": base, "rss_last_mb": rss[-1],
-            "rss_max_after_warmup_mb": max(after), "rss_min_after_warmup_mb": min(after),
-            "rise_after_warmup": max(after) / base - 1,
-            "flat": max(after) <= base * (1 + FLAT)}
+def summary(values, warmup):
+    """The first reading, the one at the warm-up's end, the last, the extremes
+    after the warm-up, and whether they stay within FLAT of the warm-up's end."""
+    if any(v is None for v in values):
+        return None
+    base, after = values[warmup - 1], values[warmup - 1:]
+    return {"first_mb": values[0], "warm_mb": base, "last_mb": values[-1],
+            "max_after_warmup_mb": max(after), "min_after_warmup_mb": min(after),
+            "rise_after_warmup": max(after) / base - 1, "flat": max(after) <= base * (1 + FLAT),
+            "mb": [round(v) for v in values]}
+
+
+def print_table(results):
+    print("| server | memory | after 1 | after warm-up | last | max after warm-up | rise | "
+          "flat (<= 5%) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        for key, what in (("rss", "RSS"), ("mlx_active", "MLX active")):
+            m = r[key]
+            if m is not None:
+                print(f"| {name} | {what} | {m['first_mb']:.0f} | {m['warm_mb']:.0f} | "
+                      f"{m['last_mb']:.0f} | {m['max_after_warmup_mb']:.0f} | "
+                      f"{100 * m['rise_after_warmup']:+.1f}% | "
+                      f"{'yes' if m['flat'] else 'no'} |")
 
 
 def setup_arg_parser():
@@ -210,8 +242,8 @@ def main():
     results = {}
     with tempfile.TemporaryDirectory(prefix="serve_memory_") as tmp:
         def measure(name):
-            rss = run_server(name, argv[name], requests, args, Path(tmp) / f"{name}.log")
-            results[name] = {**summary(rss, args.warmup), "rss_mb": [round(r) for r in rss]}
+            series = run_server(name, argv[name], requests, args, Path(tmp) / f"{name}.log")
+            results[name] = {k: summary(v, args.warmup) for k, v in series.items()}
 
         if args.side_by_side:
             # Daemons: an interrupted run exits, and its servers die with their threads.
@@ -226,13 +258,7 @@ def main():
                 measure(name)
         if len(results) < len(args.servers):
             raise SystemExit("a server failed: see the lines above")
-    print("| server | RSS after 1 | after warm-up | last | max after warm-up | rise | flat "
-          "(<= 5%) |")
-    print("|---|---|---|---|---|---|---|")
-    for name, r in results.items():
-        print(f"| {name} | {r['rss_first_mb']:.0f} | {r['rss_warm_mb']:.0f} | "
-              f"{r['rss_last_mb']:.0f} | {r['rss_max_after_warmup_mb']:.0f} | "
-              f"{100 * r['rise_after_warmup']:+.1f}% | {'yes' if r['flat'] else 'no'} |")
+    print_table(results)
     print(json.dumps({"config": vars(args), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
                       "results": results}))
 
