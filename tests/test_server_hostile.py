@@ -102,6 +102,15 @@ def test_models_lists_what_is_served(served):
     assert usage["completion_tokens"] >= 1
 
 
+def test_health_tells_the_mlx_memory(served):
+    srv, _, _ = served
+    with urllib.request.urlopen(srv.url("/health"), timeout=10) as r:
+        health = json.loads(r.read())
+    memory = health["mlx_memory"]
+    assert health["status"] == "ok" and set(memory) == {"active", "cache", "peak"}
+    assert 0 < memory["active"] <= memory["peak"]
+
+
 def test_answers_name_the_model_served(served):
     srv, _, _ = served
     body = {"prompt": "the cat", "max_tokens": 2}

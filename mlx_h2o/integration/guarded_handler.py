@@ -12,7 +12,8 @@ a ``GuardedResponseGenerator``) with:
   mlx-lm's handler as checked;
 - every refusal and failure answered with an OpenAI-style JSON error (4xx
   naming the field, 5xx for the server's own), other methods with 405;
-- ``GET /v1/models`` answering with the model served;
+- ``GET /v1/models`` answering with the model served, ``GET /health`` with
+  the process's MLX memory too;
 - a client that leaves stopping its generation (between tokens and prompt
   chunks, streamed or not).
 """
@@ -26,6 +27,7 @@ from http import HTTPStatus
 from http.server import ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
 
+import mlx.core as mx
 import mlx_lm.server as server
 
 from .request_checks import RequestError, check_request
@@ -163,6 +165,16 @@ class GuardedAPIHandler(server.APIHandler):
                                             404, "model_not_found"))
         self.refuse(RequestError(f"no GET endpoint {path[:100]!r} (GET /v1/models, /health)",
                                  status=404, code="not_found"))
+
+    def handle_health_check(self):
+        """mlx-lm's ``{"status"}`` (503 once the generation loop has stopped) and
+        the process's MLX memory in bytes: arrays held, MLX's buffer cache, peak
+        (on a GPU, the device memory)."""
+        healthy = self.response_generator.is_healthy
+        memory = {"active": mx.get_active_memory(), "cache": mx.get_cache_memory(),
+                  "peak": mx.get_peak_memory()}
+        self._send_json(200 if healthy else 503,
+                        {"status": "ok" if healthy else "unavailable", "mlx_memory": memory})
 
     def _model_card(self):
         return {"id": self.served.name, "object": "model", "created": self.served.created,
