@@ -135,7 +135,11 @@ class BatchH2OKVCache(BatchRows):
         if not windowed:
             # A chunk's logits are large: finish this layer before the next.
             mx.eval(out, self.positions, self.score, self.count)
-        return out
+            return out
+        # The next layer waits for this one's slots: left to the end of the
+        # forward pass, every layer's chunk K/V and mask would be alive at once
+        # (a prefill peak above BatchKVCache's).
+        return mx.depends(out, list(self._arrays()))
 
     def _fold(self, call, queries, keys, scale, mask, sinks, logits, lse, windowed):
         n = self._n
