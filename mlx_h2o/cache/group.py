@@ -50,7 +50,8 @@ class StepGroup:
         self._lay_next = None  # (device lay_i for offsets + 1, those offsets)
         self._plan = None  # ((query shape, dtype), the stacked members' GroupPlan)
         # Members' (queries, keys) signature, the first one seen, whether it can
-        # be folded here and whether by the kernel.
+        # be folded here, whether by the kernel and whether the kernel's first
+        # use must still be checked (decided once, not every token).
         self._sig = None
 
     def __deepcopy__(self, memo):
@@ -83,7 +84,7 @@ class StepGroup:
         if known is None:
             kernel = kind is not None and self._kernel_runs(queries, sig[2], kind)
             self._sig = known = (sig, kind is not None and (kernel or self.use_kernel is False),
-                                 kernel)
+                                 kernel, kernel and first_use.needs_check(_family(kind)))
         return known[1] and known[0] == sig
 
     def push(self, member, queries: mx.array, slot: mx.array, out: mx.array) -> mx.array:
@@ -198,16 +199,14 @@ class StepGroup:
     def _fold_checked(self, caches, queries, offsets):
         """The kernel's fold; on Metal its first one is checked against the
         reference (cache/first_use.py), which serves from then on if it differed."""
-        family = _family(caches[0].kv.group_kind)
-        if not first_use.needs_check(family):
+        if not self._sig[3]:
             return self._fold_kernel(caches, queries, offsets)
-        mode = caches[0].config.score
+        family, mode = _family(caches[0].kv.group_kind), caches[0].config.score
         res = first_use.checked(
             family, lambda: self._fold_kernel(caches, queries, offsets),
             lambda: self._fold_reference(caches, queries, offsets),
             lambda got, want: first_use.group_differs(mode, got, want))
-        if not first_use.passed(family):
-            self._sig = (*self._sig[:2], False)
+        self._sig = (*self._sig[:2], first_use.passed(family), first_use.needs_check(family))
         return res
 
     def _fold_kernel(self, caches, queries, offsets):

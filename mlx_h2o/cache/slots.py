@@ -158,6 +158,15 @@ class SlotCache:
         self.meta_pending = True
         self.evicted += 1
 
+    def decode_into_victim(self, keys, values, for_sdpa=False):
+        """A decode token of the steady state (``into_victim``): written into
+        the picked victim, counted; returns the K/V attention reads."""
+        self.token_bytes = keys.nbytes + values.nbytes
+        self.write_picked_victim(keys, values, for_sdpa)
+        self.offset += 1
+        self.pending = 1
+        return self.kv.fetch(self.slots_used)
+
     def _write_slot_meta(self, slot, position=None):
         """Position of the token written into ``slot``, with fresh scores."""
         position = self.offset - 1 if position is None else position

@@ -19,8 +19,11 @@ class GroupedStep(Wrapper):
         group.add(self)
 
     def update(self, keys, values):
-        if self.cache.next_victim is None and self.group.waits_for(self):
+        c = self.cache
+        if c.next_victim is None and self.group.waits_for(self):
             self.group.flush()  # a new token: last token's folds, every member's victim
+        if c.into_victim():  # the steady state: its token is attended by SDPA
+            return c.decode_into_victim(keys, values, for_sdpa=True)
         return self.inner.update(keys, values)  # (decode_step: sdpa_victims)
 
     def attend(self, queries, keys, values, scale, mask, sinks):

@@ -23,11 +23,10 @@ class ReferenceStep(DecodeStep):
 
     def update(self, keys, values):
         c = self.cache
-        c.token_bytes = keys.nbytes + values.nbytes
         if c.into_victim():  # the evicting steady state
-            c.write_picked_victim(keys, values, for_sdpa=self.sdpa_victims)
-        else:
-            self.place(keys, values)
+            return c.decode_into_victim(keys, values, for_sdpa=self.sdpa_victims)
+        c.token_bytes = keys.nbytes + values.nbytes
+        self.place(keys, values)
         c.offset += 1
         c.pending = 1
         return c.kv.fetch(c.slots_used)
