@@ -298,8 +298,15 @@ def run_script(*argv, path=None):
         env["PATH"] = f"{path}{os.pathsep}{env['PATH']}"
     if Path(OPENBLAS).exists():
         env["LD_PRELOAD"] = OPENBLAS
+    # Ctrl-C as from a terminal: a suite started in the background (`make
+    # test &`) ignores SIGINT, and its children would inherit that.
     return subprocess.Popen([sys.executable, str(SCRIPT), *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+                            stderr=subprocess.STDOUT, text=True, env=env,
+                            preexec_fn=_sigint_default)
+
+
+def _sigint_default():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture(scope="module")
