@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import shlex
-import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -35,7 +34,7 @@ from hostile_cases import (  # noqa: E402
     as_expected,
     normal,
 )
-from serve_load import Server  # noqa: E402
+from serve_load import Server, unwind_on_sigterm  # noqa: E402
 from serve_model import model_info  # noqa: E402
 
 # mlx-h2o serve's limits in this tool: short timeouts, so a case that waits
@@ -134,13 +133,9 @@ def setup_arg_parser():
     return p
 
 
-def _interrupt(*_):
-    raise KeyboardInterrupt  # SIGTERM: unwind, so every server is stopped
-
-
 def main():
     args = setup_arg_parser().parse_args()
-    signal.signal(signal.SIGTERM, _interrupt)
+    unwind_on_sigterm()
     import mlx.core as mx
     import mlx_lm
 

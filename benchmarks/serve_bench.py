@@ -51,12 +51,11 @@ import os
 import platform
 import shlex
 import shutil
-import signal
 import sys
 import tempfile
 from pathlib import Path
 
-from serve_load import LoadFailed, Served
+from serve_load import LoadFailed, Served, unwind_on_sigterm
 from serve_model import make_prompts, model_info, random_args, resolve, save_random_model
 from serve_report import capacity_table, rounds_table, search_capacity, summarise
 
@@ -176,10 +175,6 @@ def command_line():
     return (f"{OPENBLAS_ENV}={env} " if env else "") + "python " + shlex.join(sys.argv)
 
 
-def _interrupt(*_):
-    raise KeyboardInterrupt  # SIGTERM: unwind, so every server is stopped
-
-
 def setup_arg_parser():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, default=4, help="concurrent requests a load")
@@ -245,7 +240,7 @@ def main():
         tokenizer = Path(random_args(args)[-1])
         save_random_model(Path(args.save_random), args.random, args.random_bits, tokenizer)
         return
-    signal.signal(signal.SIGTERM, _interrupt)
+    unwind_on_sigterm()
     tmp = Path(tempfile.mkdtemp(prefix="serve_bench_"))
     logs = Path(args.log_dir) if args.log_dir else tmp
     logs.mkdir(parents=True, exist_ok=True)

@@ -35,6 +35,16 @@ class LoadFailed(Exception):
         self.kind, self.error = kind, error
 
 
+def unwind_on_sigterm():
+    """SIGTERM raises KeyboardInterrupt, so a benchmark killed that way unwinds
+    and stops every server it started."""
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(*_):
+    raise KeyboardInterrupt
+
+
 def _die_with_parent():  # Linux: a server outlives no killed benchmark
     try:
         import ctypes

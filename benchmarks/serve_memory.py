@@ -29,7 +29,6 @@ import os
 import platform
 import random
 import shlex
-import signal
 import socket
 import sys
 import tempfile
@@ -39,7 +38,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_load import MB, Server  # noqa: E402
+from serve_load import MB, Server, unwind_on_sigterm  # noqa: E402
 from serve_model import PROSE, model_info  # noqa: E402
 
 FLAT = 0.05  # the largest rise over the warm-up's end that counts as flat
@@ -214,15 +213,11 @@ def setup_arg_parser():
     return p
 
 
-def _interrupt(*_):
-    raise KeyboardInterrupt  # SIGTERM: unwind, so every server is stopped
-
-
 def main():
     args = setup_arg_parser().parse_args()
     if not 1 <= args.warmup <= args.requests:
         raise SystemExit("--warmup must be between 1 and --requests")
-    signal.signal(signal.SIGTERM, _interrupt)
+    unwind_on_sigterm()
     import mlx.core as mx
     import mlx_lm
 

@@ -252,6 +252,13 @@ def test_concurrent_clients_join_and_leave(servers):
     (["--no-h2o", "--h2o-max-size", "64"], "--no-h2o"),
     (["--no-h2o", "--max-kv-size", "64"], "mlx_lm.server has no bounded cache"),
     (["--model", "/no/such/folder"], "--model /no/such/folder"),
+    (["--max-body-bytes", "0"], "--max-body-bytes must be an integer >= 1"),
+    (["--max-prompt-tokens", "-5"], "--max-prompt-tokens must be an integer >= 1"),
+    (["--header-timeout", "0"], "--header-timeout must be a number of seconds > 0"),
+    (["--body-timeout", "nan"], "--body-timeout must be a number of seconds > 0"),
+    (["--max-tokens", "9000"], "--max-tokens 9000: the default max_tokens must be from 1 to "
+     "--max-tokens-limit (8192)"),
+    (["--max-tokens-limit", "100"], "--max-tokens 512"),
 ])
 def test_bad_configurations_end_with_one_line(capsys, argv, says):
     from mlx_h2o.cli import serve

@@ -145,22 +145,3 @@ def test_errors_are_openai_shaped():
 def test_limits_refuse_nonsense(field, value):
     with pytest.raises(ValueError, match=field):
         ServerLimits(**{field: value})
-
-
-@pytest.mark.parametrize("argv, says", [
-    (["--max-body-bytes", "0"], "--max-body-bytes must be an integer >= 1"),
-    (["--max-prompt-tokens", "-5"], "--max-prompt-tokens must be an integer >= 1"),
-    (["--header-timeout", "0"], "--header-timeout must be a number of seconds > 0"),
-    (["--body-timeout", "nan"], "--body-timeout must be a number of seconds > 0"),
-    (["--max-tokens", "9000"], "--max-tokens 9000: the default max_tokens must be from 1 to "
-     "--max-tokens-limit (8192)"),
-    (["--max-tokens-limit", "100"], "--max-tokens 512"),
-])
-def test_limit_flags_end_with_one_line(capsys, argv, says):
-    from mlx_h2o.cli import serve
-
-    with pytest.raises(SystemExit) as exit_:
-        serve.main(argv)
-    err = capsys.readouterr().err.strip()
-    assert exit_.value.code == 2 and "\n" not in err
-    assert err.startswith("mlx-h2o serve: error: ") and says in err
