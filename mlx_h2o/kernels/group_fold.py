@@ -12,7 +12,7 @@ from typing import List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
-from .replay import replayer
+from .replay import replay_after_first
 from . import cubin
 from .backend import gpu_backend
 from .build import _make_group_kernel, mode_id
@@ -66,7 +66,7 @@ class GroupPlan:
     """The group fold for fixed shapes and settings. MLX's build is launched
     directly: with ~80 inputs and (then) ~40 outputs, mx.compile's replay
     cost more host time than the kernel call (H100). Ours
-    (kernels/cubin.py) replays its first call's recording (``replay.replayer``,
+    (kernels/cubin.py) replays its first call's recording (``replay.replay_after_first``,
     mx.compile), which converts the cubin
     and the ~80 shape scalars once: launched directly it cost 0.03-0.08 ms a
     token more than MLX's build, compiled about the same (H200;
@@ -85,18 +85,14 @@ class GroupPlan:
             self.template += [("BITS", bits), ("GS", group_size)]
         self.pins = _pins(pinned)
         precompiled = isinstance(self.kernel, cubin.PrecompiledKernel)
-        self._run = self._first_launch if precompiled else self._launch
+        if precompiled:
+            replay_after_first(self, "_run", self._launch)
+        else:
+            self._run = self._launch
 
     def __call__(self, queries, keys, lay_i, lay_f, positions, score, count, slot) -> GroupFold:
         res = self._run(*queries, *keys, lay_i, lay_f, positions, score, count, slot)
         return GroupFold(*res[:6], list(res[6:]))
-
-    def _first_launch(self, *arrays):
-        """The first call runs as is; later ones replay it (``mx.compile``),
-        called directly: no wrapper of ours on a token's path."""
-        outs = self._launch(*arrays)
-        self._run = replayer(self._launch)
-        return outs
 
     def _launch(self, *arrays):
         n, B, Hq, Hk, M, VD = self.n, self.B, self.Hq, self.Hk, self.M, self.VD

@@ -5,7 +5,7 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .replay import Replay
+from .replay import replay_after_first
 from . import decode
 from .backend import gpu_backend, supported
 from .build import (
@@ -124,7 +124,7 @@ class StepPlan:
         def steady(*arrays):
             return self._launch(*arrays, kernels=self.steady_kernels)
 
-        self._steady = Replay(steady)
+        replay_after_first(self, "_steady", steady)
 
     def splits(self, N: int) -> int:
         S = self._splits.get(N)

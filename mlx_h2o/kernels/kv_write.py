@@ -32,7 +32,7 @@ from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
-from .replay import Replay
+from .replay import replay_after_first
 from .backend import gpu_backend, runs_on_gpu
 from .build import _built_once, _prelude
 from .decode import DTYPES
@@ -212,7 +212,7 @@ class WritePlan:
         self.kernel = _make_write_kernel(dense_out, packed)
         self.dtype, self.D = dtype, D
         self.template = [("T", dtype), ("D", D), ("BITS", bits), ("GS", group_size)]
-        self._steady = Replay(self._launch)
+        replay_after_first(self, "_steady", self._launch)
 
     def __call__(self, *arrays):
         return self._steady(*arrays)

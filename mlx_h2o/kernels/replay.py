@@ -17,19 +17,16 @@ def replayer(fn: Callable) -> Callable:
     return mx.compile(fn)
 
 
-class Replay:
-    """``mx.compile(fn)`` for launches: the first call runs ``fn`` as is, later
-    calls replay it compiled (a call with other shapes traces again)."""
+def replay_after_first(owner, name: str, fn: Callable) -> None:
+    """Set ``owner.<name>`` to ``fn``'s first call, which runs ``fn`` as is and
+    puts ``mx.compile(fn)`` in its place: later calls replay the compiled
+    graph directly, with no wrapper of ours on a decode token's path (a call
+    with other shapes traces again). ``owner`` is a shared plan (its
+    builders are cached), never deep-copied."""
 
-    __slots__ = ("fn", "_replay")
-
-    def __init__(self, fn: Callable):
-        self.fn = fn
-        self._replay = None
-
-    def __call__(self, *arrays):
-        if self._replay is not None:
-            return self._replay(*arrays)
-        outs = self.fn(*arrays)
-        self._replay = replayer(self.fn)
+    def first(*arrays):
+        outs = fn(*arrays)
+        setattr(owner, name, replayer(fn))
         return outs
+
+    setattr(owner, name, first)
