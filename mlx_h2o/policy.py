@@ -46,27 +46,62 @@ def fold_scores(
     ``scores.SCORES`` entry: its fold and magnitude apply (a "fixed" fold
     leaves ``score`` as written: ``written_score``).
     """
+    step, seen = call_columns(mode, logits, lse, score.shape[1], window)
+    pool = pool if logits.shape[2] * weight > 1 else 0
+    return fold_columns(mode, score, count, step, seen, alpha, positions, pool, weight)
+
+
+def call_columns(mode: str, logits: mx.array, lse: mx.array, n_kv_heads: int,
+                 window: int = 0) -> Tuple[Optional[mx.array], mx.array]:
+    """(step, seen) of one attention call, per slot (B, n_kv_heads, N): the
+    sum over the call's (last ``window``) queries of the group-mean
+    magnitude of ``mode`` (None for a "fixed" fold), and how many of those
+    queries could see the slot (``kernels.attention_with_column_sums``
+    gives the probability sums without logits)."""
     spec = score_mode(mode)
     L = logits.shape[2]
     if 0 < window < L:
         logits, lse = logits[:, :, -window:], lse[:, :, -window:]
     B, Hq, Lw, N = logits.shape
-    Hk = score.shape[1]
+    Hk = n_kv_heads
     lg = logits.reshape(B, Hk, Hq // Hk, Lw, N)
     visible = lg[:, :, 0] > -mx.inf  # (B, Hk, Lw, N)
     seen = visible.astype(mx.float32).sum(axis=2)  # (B, Hk, N)
-    if weight != 1:  # no op on the decode paths
-        seen = weight * seen
     if spec.fold == "fixed":
-        return score, count + seen
+        return None, seen
     if spec.magnitude == "abs_logit":
         mag = mx.where(visible[:, :, None], mx.abs(lg), 0.0)
     else:  # probability
         mag = mx.exp(lg - lse.reshape(B, Hk, Hq // Hk, Lw, 1))
-    step = mag.mean(axis=2).sum(axis=2)  # (B, Hk, N)
+    return mag.mean(axis=2).sum(axis=2), seen  # (B, Hk, N)
+
+
+def cache_head_columns(step: mx.array, seen: mx.array,
+                       n_kv_heads: int) -> Tuple[mx.array, mx.array]:
+    """``call_columns`` per cache KV head from ``attention_with_column_sums``'
+    per attended KV head (B, H, N): a model that repeats its KV heads after
+    the cache attends H = r * n_kv_heads of them; a cache head's group is
+    then its r heads' groups (mean of step, first head's seen)."""
+    B, H, N = step.shape
+    if H == n_kv_heads:
+        return step, seen
+    r = H // n_kv_heads
+    return step.reshape(B, n_kv_heads, r, N).mean(axis=2), seen[:, ::r]
+
+
+def fold_columns(mode: str, score: mx.array, count: mx.array, step: Optional[mx.array],
+                 seen: mx.array, alpha: float = 0.95, positions: Optional[mx.array] = None,
+                 pool: int = 0, weight: float = 1.0) -> Tuple[mx.array, mx.array]:
+    """Fold a call's ``call_columns`` (step, seen) into the running scores
+    (``fold_scores`` for the arguments)."""
+    spec = score_mode(mode)
+    if weight != 1:  # no op on the decode paths
+        seen = weight * seen
+    if spec.fold == "fixed":
+        return score, count + seen
     if weight != 1:
         step = weight * step
-    if pool > 1 and L * weight > 1 and positions is not None:
+    if pool > 1 and positions is not None:
         step = pool_neighbours(step, positions, pool // 2)
     if spec.fold == "ema":
         step = step / mx.maximum(seen, 1.0)

@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import policy
 from ..config import H2OConfig, check_window_size, config_from_dict, config_to_dict
-from ..kernels import scaled_dot_product_attention_with_scores
+from ..kernels import attention_with_column_sums, scaled_dot_product_attention_with_scores
 from ..scores import score_mode
 from . import batch_slots as bs
 from .batch_rows import BatchRows, row_ints
@@ -122,15 +122,9 @@ class BatchH2OKVCache(BatchRows):
         mask = policy.combine_masks(own, mask)
         windowed = (call.columns is not None and sinks is None
                     and mask.shape[1] in (1, Hk))
-        if windowed:  # MLX's SDPA attends; only the window's queries are scored
-            out = bs.fused_attention(queries, keys, values, scale, mask)
-            _, logits, lse = scaled_dot_product_attention_with_scores(
-                bs.take_queries(queries, call.columns), keys, values, scale=scale,
-                mask=bs.take_mask_rows(mask, call.columns))
-        else:
-            out, logits, lse = scaled_dot_product_attention_with_scores(
-                queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        self._fold(call, queries, keys, scale, mask, sinks, logits, lse, windowed)
+        out, step, seen = self._scored_attention(call, queries, keys, values, scale, mask,
+                                                 sinks, windowed)
+        self._fold(call, queries, keys, scale, mask, sinks, step, seen)
         self._pack()
         if not windowed:
             # A chunk's logits are large: finish this layer before the next.
@@ -141,15 +135,34 @@ class BatchH2OKVCache(BatchRows):
         # (a prefill peak above BatchKVCache's).
         return mx.depends(out, list(self._arrays()))
 
-    def _fold(self, call, queries, keys, scale, mask, sinks, logits, lse, windowed):
+    def _scored_attention(self, call, queries, keys, values, scale, mask, sinks, windowed):
+        """(out, step, seen): the chunk's attention and ``policy.call_columns``
+        of the queries each row folds, per cache KV head."""
+        mode, heads = self.config.score, self.positions.shape[1]
+        if windowed:  # MLX's SDPA attends; only the window's queries are scored
+            out = bs.fused_attention(queries, keys, values, scale, mask)
+            _, logits, lse = scaled_dot_product_attention_with_scores(
+                bs.take_queries(queries, call.columns), keys, values, scale=scale,
+                mask=bs.take_mask_rows(mask, call.columns))
+            return (out, *bs.selected_columns(mode, logits, lse, call.select, heads))
+        select = self._full_select(call)
+        if score_mode(mode).magnitude == "abs_logit":
+            out, logits, lse = scaled_dot_product_attention_with_scores(
+                queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+            return (out, *bs.selected_columns(mode, logits, lse, select, heads))
+        # Probabilities summed by a GEMM: no (L, N) logits left to fold.
+        out, step, seen = attention_with_column_sums(
+            queries, keys, values, scale=scale, mask=mask, sinks=sinks, weights=select)
+        return (out, *policy.cache_head_columns(step, seen, heads))
+
+    def _fold(self, call, queries, keys, scale, mask, sinks, step, seen):
         n = self._n
         expected = None
         if call.expected is not None:
             rows, window = call.expected
             expected = (rows, *bs.expected_logits(queries, keys, scale, mask, sinks, window))
-        select = call.select if windowed else self._full_select(call)
-        score, count = bs.fold_rows(self.config, *self._meta()[1:], logits, lse,
-                                    self.positions[..., :n], select, call.pooled, expected)
+        score, count = bs.fold_rows(self.config, *self._meta()[1:], step, seen,
+                                    self.positions[..., :n], call.pooled, expected)
         self.score[..., :n] = score
         self.count[..., :n] = count
         self._compact(list(call.compact))

@@ -46,32 +46,39 @@ def take(arrays, slots):
             *(mx.take_along_axis(a, slots, axis=2) for a in meta))
 
 
-def fold_rows(config: H2OConfig, score, count, logits, lse, positions, select,
-              pooled: Optional[mx.array] = None, expected=None):
-    """Fold a call's attention into the scores, row by row.
-
-    ``select`` (B, L) bool: the queries each row folds (its own tokens; a
-    chunk that overflows the budget: the last ``prefill_window`` of them);
-    ``pooled`` (B,) bool: rows whose chunk overflowed, max-pooled over
-    ``prefill_pool`` neighbours (policy.fold_scores, as H2OKVCache folds
-    them). ``expected``: (rows (B,) bool, logits (B, n_heads, 1, N), lse)
-    for an expected-attention mode: those rows fold that row, weighted by
-    ``prefill_window``, in place of their window (pooled too). Unselected
-    queries see nothing; empty slots keep zero scores."""
+def selected_columns(mode: str, logits, lse, select, n_kv_heads: int):
+    """policy.call_columns of the queries ``select`` (B, L) bool marks
+    (logits (B, n_heads, L, N)); the others see nothing."""
     sel = select[:, None, :]
     logits = mx.where(sel[..., None], logits, -mx.inf)
     lse = mx.where(sel & (lse > -mx.inf), lse, 0.0)
-    args = (config.score, score, count, logits, lse, config.ema_alpha)
-    s, c = policy.fold_scores(*args)
+    return policy.call_columns(mode, logits, lse, n_kv_heads)
+
+
+def fold_rows(config: H2OConfig, score, count, step, seen, positions,
+              pooled: Optional[mx.array] = None, expected=None):
+    """Fold a call's columns (step, seen: ``policy.call_columns`` of the
+    queries each row folds: its own tokens; a chunk that overflows the
+    budget, the last ``prefill_window`` of them) into the scores, row by row.
+
+    ``pooled`` (B,) bool: rows whose chunk overflowed, max-pooled over
+    ``prefill_pool`` neighbours (policy.fold_columns, as H2OKVCache folds
+    them). ``expected``: (rows (B,) bool, logits (B, n_heads, 1, N), lse)
+    for an expected-attention mode: those rows fold that row, weighted by
+    ``prefill_window``, in place of their window (pooled too). Empty slots
+    keep zero scores."""
+    args = (config.score, score, count, step, seen, config.ema_alpha)
+    s, c = policy.fold_columns(*args)
     if pooled is not None:
-        sp, cp = policy.fold_scores(*args, 0, positions, config.prefill_pool)
+        sp, cp = policy.fold_columns(*args, positions, config.prefill_pool)
         rows = pooled[:, None, None]
         s, c = mx.where(rows, sp, s), mx.where(rows, cp, c)
     if expected is not None:
         rows, e_logits, e_lse = expected
-        se, ce = policy.fold_scores(config.score, score, count, e_logits, e_lse,
-                                    config.ema_alpha, 0, positions, config.prefill_pool,
-                                    config.prefill_window)
+        e_step, e_seen = policy.call_columns(config.score, e_logits, e_lse, score.shape[1])
+        se, ce = policy.fold_columns(config.score, score, count, e_step, e_seen,
+                                     config.ema_alpha, positions, config.prefill_pool,
+                                     config.prefill_window)
         rows = rows[:, None, None]
         s, c = mx.where(rows, se, s), mx.where(rows, ce, c)
     held = positions >= 0

@@ -124,8 +124,9 @@ class H2OKVCache(SlotCache, _BaseCache):
         L = queries.shape[2]
         if L == 1:
             return self.decode.attend(queries, keys, values, scale, mask, sinks)
-        out, logits, lse = self.attention(queries, keys, values, scale, self.mask_for(L, mask), sinks)
-        self.fold_ops(logits, lse, L)
+        out, step, seen = self.chunk_attention(queries, keys, values, scale,
+                                               self.mask_for(L, mask), sinks)
+        self.fold_columns(step, seen, L)
         # A chunk's (L, N) logits are large: finish this layer before the next
         # builds its own, or every layer's logits stay alive at once (a 2K
         # prompt at B=5 on SmolLM2 peaked at 22 GB).

@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from .. import policy
 from ..config import H2OConfig, check_window_size
-from ..kernels import scaled_dot_product_attention_with_scores
+from ..kernels import attention_with_column_sums, scaled_dot_product_attention_with_scores
 from ..scores import score_mode
 from .storage import DenseKV, fresh_slot, resize_slots, take_slots
 
@@ -198,24 +198,46 @@ class SlotCache:
 
     # --- scores -----------------------------------------------------------------
     def attention(self, queries, keys, values, scale, mask, sinks):
-        """(out, logits, lse); logits / lse of the rows that will be folded only."""
-        W = self.config.prefill_window
-        if not self._scored_by_window(queries.shape[2]):
-            return self.kv.attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        # Only the window's scores are folded: MLX's SDPA attends the whole
-        # chunk, and logits come for the last W queries alone (a 2K chunk's
-        # float32 logits were ~1 GB per layer for an 8B model).
+        """(out, logits, lse) of a decode token (the op-by-op reference step)."""
+        return self.kv.attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+
+    def chunk_attention(self, queries, keys, values, scale, mask, sinks):
+        """A prompt chunk's (out, step, seen): ``policy.call_columns`` of the
+        queries whose scores will be folded."""
+        L, W, Hk = queries.shape[2], self.config.prefill_window, self._positions.shape[1]
+        mode = self.config.score
+        if self._scored_by_window(L):
+            return self._window_attention(queries, keys, values, scale, mask, sinks)
+        window = W if self.slots_used > self.max_size and 0 < W < L else 0
+        if score_mode(mode).magnitude == "abs_logit":
+            out, logits, lse = self.attention(queries, keys, values, scale, mask, sinks)
+            return (out, *policy.call_columns(mode, logits, lse, Hk, window))
+        # Every query (or the overflowing chunk's last W) is scored: softmax
+        # probabilities summed by a GEMM, no (L, N) logits left to fold.
+        keys, values = self.kv.dense(keys, values, mx.float32)
+        weights = None
+        if window:
+            weights = mx.broadcast_to(mx.arange(L) >= L - window, (queries.shape[0], L))
+        out, step, seen = attention_with_column_sums(queries, keys, values, scale=scale,
+                                                     mask=mask, sinks=sinks, weights=weights)
+        return (out, *policy.cache_head_columns(step, seen, Hk))
+
+    def _window_attention(self, queries, keys, values, scale, mask, sinks):
+        """A chunk scored by its last ``prefill_window`` queries: MLX's SDPA
+        attends the whole chunk, and logits come for the window alone (a 2K
+        chunk's float32 logits were ~1 GB per layer for an 8B model)."""
+        W, mode, Hk = self.config.prefill_window, self.config.score, self._positions.shape[1]
         keys, values = self.kv.dense(keys, values, queries.dtype)
         out = mx.fast.scaled_dot_product_attention(
             queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if self._expected:  # one row of expected logits for the window's W rows
             logits, lse = policy.expected_logits(
                 queries[:, :, -W:], keys, scale, _last_rows(mask, 1), sinks)
-            return out, logits, lse
-        _, logits, lse = scaled_dot_product_attention_with_scores(
-            queries[:, :, -W:], keys, values, scale=scale, mask=_last_rows(mask, W),
-            sinks=sinks)
-        return out, logits, lse
+        else:
+            _, logits, lse = scaled_dot_product_attention_with_scores(
+                queries[:, :, -W:], keys, values, scale=scale, mask=_last_rows(mask, W),
+                sinks=sinks)
+        return (out, *policy.call_columns(mode, logits, lse, Hk))
 
     def _scored_by_window(self, L) -> bool:
         """A chunk that overflows is scored by its last ``prefill_window``
@@ -230,9 +252,15 @@ class SlotCache:
         return score_mode(self.config.score).prefill == "expected"
 
     def fold_ops(self, logits, lse, L):
-        """Fold this step's scores op by op, then compact a chunk that overflowed.
+        """Fold a decode step's scores op by op (``fold_columns`` for a chunk)."""
+        window = self.config.prefill_window if self.slots_used > self.max_size else 0
+        Hk = self._positions.shape[1]
+        self.fold_columns(*policy.call_columns(self.config.score, logits, lse, Hk, window), L)
 
-        ``L``: the call's query count (``logits`` may hold only its window)."""
+    def fold_columns(self, step, seen, L):
+        """Fold a call's (step, seen), then compact a chunk that overflowed.
+
+        ``L``: the call's query count (the columns may stand for its window)."""
         n, cfg = self.slots_used, self.config
         # Only a chunk that overflows the budget is scored by its window (SnapKV).
         over = n > self.max_size
@@ -242,11 +270,11 @@ class SlotCache:
         # An expected-logit row stands for the window's prefill_window queries.
         expected = self._scored_by_window(L) and self._expected
         weight = cfg.prefill_window if expected else 1
-        score, count = policy.fold_scores(
-            cfg.score, score, count, logits, lse,
-            cfg.ema_alpha, cfg.prefill_window if over else 0,
-            self.positions[..., :n], cfg.prefill_pool if over else 0, weight,
-        )
+        W = cfg.prefill_window
+        rows = W if over and 0 < W < L else L  # the query rows folded
+        pool = cfg.prefill_pool if over and rows * weight > 1 else 0
+        score, count = policy.fold_columns(cfg.score, score, count, step, seen, cfg.ema_alpha,
+                                           self.positions[..., :n], pool, weight)
         self.score[..., :n] = score
         self.count[..., :n] = count
         self.pending = False

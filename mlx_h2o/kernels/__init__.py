@@ -17,7 +17,7 @@ from .decode import decode_attention
 from .h2o_step import H2OFold, H2OStep, fold_step_supported, h2o_decode_step
 from .h2o_step import h2o_fold_step, h2o_step_supported, make_plan
 from .queued import queue_fold, queue_fold_supported
-from .reference import Mask, causal_mask
+from .reference import Mask, attention_with_column_sums, causal_mask
 
 
 def scaled_dot_product_attention_with_scores(
@@ -62,6 +62,7 @@ def scaled_dot_product_attention_with_scores(
 __all__ = [
     "H2OFold",
     "H2OStep",
+    "attention_with_column_sums",
     "causal_mask",
     "fold_step_supported",
     "gpu_backend",

@@ -109,3 +109,65 @@ def scaled_dot_product_attention_with_scores(
         logits.reshape(B, Hq, L, N),
         lse.reshape(B, Hq, L),
     )
+
+
+def attention_with_column_sums(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    *,
+    scale: float,
+    mask: Mask = None,
+    sinks: Optional[mx.array] = None,
+    weights: Optional[mx.array] = None,
+) -> Tuple[mx.array, mx.array, mx.array]:
+    """Attention and the per-key sums a score fold needs, without the logits.
+
+    What folding ``scaled_dot_product_attention_with_scores``' exp(logits -
+    lse) gives (up to float32 summation order), in one softmax and two GEMMs
+    where the logits' way takes four more passes over (B, n_heads, L, N).
+
+    Shapes: as ``scaled_dot_product_attention_with_scores``; ``weights``
+    (B, L) float32 per query (None: all 1). Returns out (B, n_heads, L, Dv)
+    in the queries' dtype; probs (B, n_kv_heads, N) float32, the weighted
+    sum over queries of the group-mean softmax probability of each key;
+    seen (B, n_kv_heads, N) float32, the weighted count of queries whose
+    group's first head may see the key. A query that sees no key gives out
+    0 and adds nothing.
+    """
+    B, Hq, L, D = queries.shape
+    Hk, N = keys.shape[1], keys.shape[2]
+    if Hq % Hk:
+        raise ValueError(f"n_heads={Hq} is not a multiple of n_kv_heads={Hk}")
+    G = Hq // Hk
+    q = queries.astype(mx.float32).reshape(B, Hk, G * L, D)
+    logits = ((q @ keys.astype(mx.float32).swapaxes(-1, -2)) * scale).reshape(B, Hk, G, L, N)
+    w = mx.ones((B, L), mx.float32) if weights is None else weights.astype(mx.float32)
+    w = w.reshape(B, 1, 1, L)
+    m = grouped_mask(mask, B, Hq, Hk, L, N)  # (B|1, Hk|1, G|1, L, N)
+    if m is None:
+        sees, seen = None, mx.broadcast_to(w.sum(axis=-1), (B, Hk, N))
+    else:
+        visible = m if m.dtype == mx.bool_ else m > -mx.inf
+        sees = visible.any(axis=-1)  # (B|1, Hk|1, G|1, L)
+        seen = (w @ visible[:, :, 0].astype(mx.float32))[:, :, 0]  # (B, Hk|1, N)
+        seen = mx.broadcast_to(seen, (B, Hk, N))
+        # A query that sees nothing attends every key (finite probabilities),
+        # then counts for nothing: its weight and output are zeroed.
+        if m.dtype == mx.bool_:
+            logits = mx.where(m | ~sees[..., None], logits, -mx.inf)
+        else:
+            logits = logits + mx.where(sees[..., None], m, 0.0).astype(mx.float32)
+    if sinks is None:
+        probs = mx.softmax(logits, axis=-1, precise=True)
+    else:
+        _, probs, _ = masked_softmax(logits, None, sinks)
+    probs = probs.reshape(B, Hk, G * L, N)
+    out = probs @ values.astype(mx.float32)  # (B, Hk, G * L, Dv)
+    row_w = mx.broadcast_to(w, (B, Hk, G, L))
+    if sees is not None:
+        row_w = row_w * sees
+        out = out * mx.broadcast_to(sees, (B, Hk, G, L)).reshape(B, Hk, G * L, 1)
+    colsum = (row_w.reshape(B, Hk, 1, G * L) / G) @ probs  # (B, Hk, 1, N)
+    out = out.astype(queries.dtype).reshape(B, Hq, L, -1)
+    return out, colsum[:, :, 0], seen
