@@ -125,12 +125,16 @@ def test_fold_width_repeats_for_a_step_of_tokens():
 
 
 def test_memory_bound_folds_sooner(monkeypatch):
+    """The ops fold's logits grow with the queue: past MAX_LOGITS it folds
+    sooner. The GPU fold kernel's memory does not grow with the queue, so
+    there the query stays queued for its steps."""
     monkeypatch.setattr(deferred, "MAX_LOGITS", 2 * HQ * 20)  # B=2, 20 slots: 1 query
     cache = H2OKVCache(H2OConfig(max_size=64))
     rng = np.random.default_rng(1)
     step(cache, 19, rng)
     step(cache, 1, rng)
-    assert len(queue_of(cache)) == 0
+    kernel = cache.decode.find(DeferredFill).kernel
+    assert len(queue_of(cache)) == (1 if kernel else 0)
 
 
 @pytest.mark.parametrize("mode,window", [(m, None) for m in NOT_DEFERRABLE]

@@ -17,6 +17,7 @@ from mlx_h2o.cache import (
 from mlx_h2o.files import load_prompt_cache, save_prompt_cache
 from mlx_h2o.cache.group import link_layers
 from mlx_h2o.cache.mixed_storage import MixedKV
+from make_swift_vectors import scripted_columns
 
 D, HQ, HK, GS = 64, 4, 2, 32
 STREAM = [5, 1, 1, 20, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 3, 1, 1, 1, 1, 30] + [1] * 12
@@ -116,7 +117,12 @@ def scripted_attention(cache, table):
         out = mx.zeros((B, Hq, L, D))
         return out, mx.array(lg.astype(np.float32)), mx.array(lse.astype(np.float32))
 
+    def column_attention(queries, keys, values, *, scale, mask, sinks, weights):
+        out, lg, lse = attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        return (out, *scripted_columns(lg, lse, weights, HK))
+
     cache.kv.attention = attention
+    cache.kv.column_attention = column_attention
 
 
 @pytest.mark.parametrize("cfg", CONFIGS)

@@ -97,11 +97,11 @@ def test_only_the_window_gets_logits(monkeypatch, kind):
             return real(queries, *a, **k)
         return call
 
-    monkeypatch.setattr(cache.kv, "attention", spy(cache.kv.attention, "storage"))
+    monkeypatch.setattr(cache.kv, "column_attention", spy(cache.kv.column_attention, "storage"))
     window = spy(slots_module.scaled_dot_product_attention_with_scores, "window")
     monkeypatch.setattr(slots_module, "scaled_dot_product_attention_with_scores", window)
     feed((cache,), [10, 40], seed=5, dim=dim)
-    # within budget: every row (the storage's attention); overflowing: SDPA
+    # within budget: every row (the storage's column sums); overflowing: SDPA
     # for the output, logits for the window's rows only
     assert rows == {"storage": [10], "window": [6]}
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from mlx_h2o import policy
 from mlx_h2o.cache import H2OKVCache, QuantConfig, QuantizedH2OKVCache
+from mlx_h2o.cache.batch_slots import selected_columns
 from mlx_h2o.cache.quantized_storage import QuantizedKV
 from mlx_h2o.cache.storage import DenseKV
 from mlx_h2o.config import H2OConfig, config_from_dict, config_to_dict
@@ -70,6 +71,21 @@ class ScriptedAttention:
         self.last, self.next_logits = (raw, lse), None
         out = mx.zeros(queries.shape, queries.dtype)  # unused: only the scores matter
         return out, mx.array(raw), mx.array(lse)
+
+    def column_attention(self, queries, keys, values, *, scale, mask, sinks, weights):
+        """A chunk's columns, from the scripted logits."""
+        out, logits, lse = self.attention(queries, keys, values, scale=scale, mask=mask,
+                                          sinks=sinks)
+        packed = keys[0] if isinstance(keys, tuple) else keys  # quantized: a triple
+        return (out, *scripted_columns(logits, lse, weights, packed.shape[1]))
+
+
+def scripted_columns(logits, lse, weights, n_kv_heads: int):
+    """(probs, seen) of scripted logits (B, n_heads, L, N), as
+    attention_with_column_sums sums them (queries of weight 0 left out)."""
+    B, _, L, _ = logits.shape
+    select = mx.ones((B, L), mx.bool_) if weights is None else weights > 0
+    return selected_columns("accumulated", logits, lse, select, n_kv_heads)
 
 
 class ScriptedKV(ScriptedAttention, DenseKV):

@@ -12,6 +12,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from .. import policy
+from ..kernels import attention_with_column_sums
 from ..kernels.quantized_reference import dequantize_segments
 from .quantized_storage import QuantizedKV, Triple, attend, convert
 from .storage import fresh_slot, put_slot, take_slots
@@ -146,6 +147,12 @@ class MixedKV:
             mask=mask,
             sinks=sinks,
         )
+
+    def column_attention(self, queries, keys, values, *, scale, mask, sinks, weights):
+        """A prompt chunk's (out, probs, seen) over K / V dequantized in float32
+        (kernels.attention_with_column_sums)."""
+        return attention_with_column_sums(queries, *self.dense(keys, values, mx.float32),
+                                          scale=scale, mask=mask, sinks=sinks, weights=weights)
 
     @property
     def nbytes(self) -> int:

@@ -8,6 +8,7 @@ quantized once, when written.
 
 import mlx.core as mx
 
+from ..kernels import attention_with_column_sums
 from ..kernels.kv_write import write_plan, write_supported
 from ..kernels.packed import pack, unpack
 from ..kernels.quantized import quantized_attention, uses_kernel
@@ -310,6 +311,12 @@ class QuantizedKV:
             mask=mask,
             sinks=sinks,
         )
+
+    def column_attention(self, queries, keys, values, *, scale, mask, sinks, weights):
+        """A prompt chunk's (out, probs, seen) over K / V dequantized in float32
+        (kernels.attention_with_column_sums)."""
+        return attention_with_column_sums(queries, *self.dense(keys, values, mx.float32),
+                                          scale=scale, mask=mask, sinks=sinks, weights=weights)
 
     def sdpa(self, queries, keys, values, *, scale):
         """Attention without scores (a group step's). On a GPU: K and V

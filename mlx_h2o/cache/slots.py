@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from .. import policy
 from ..config import H2OConfig, check_window_size
-from ..kernels import attention_with_column_sums, scaled_dot_product_attention_with_scores
+from ..kernels import scaled_dot_product_attention_with_scores
 from ..scores import score_mode
 from .storage import DenseKV, fresh_slot, resize_slots, take_slots
 
@@ -214,12 +214,11 @@ class SlotCache:
             return (out, *policy.call_columns(mode, logits, lse, Hk, window))
         # Every query (or the overflowing chunk's last W) is scored: softmax
         # probabilities summed by a GEMM, no (L, N) logits left to fold.
-        keys, values = self.kv.dense(keys, values, mx.float32)
         weights = None
         if window:
             weights = mx.broadcast_to(mx.arange(L) >= L - window, (queries.shape[0], L))
-        out, step, seen = attention_with_column_sums(queries, keys, values, scale=scale,
-                                                     mask=mask, sinks=sinks, weights=weights)
+        out, step, seen = self.kv.column_attention(queries, keys, values, scale=scale,
+                                                   mask=mask, sinks=sinks, weights=weights)
         return (out, *policy.cache_head_columns(step, seen, Hk))
 
     def _window_attention(self, queries, keys, values, scale, mask, sinks):

@@ -10,7 +10,7 @@ from typing import Callable, Dict, Iterable
 
 import mlx.core as mx
 
-from ..kernels import scaled_dot_product_attention_with_scores
+from ..kernels import attention_with_column_sums, scaled_dot_product_attention_with_scores
 
 
 def deepcopy_attrs(obj, memo, shared: Iterable[str] = (),
@@ -117,6 +117,11 @@ class DenseKV:
         return scaled_dot_product_attention_with_scores(
             queries, keys, values, scale=scale, mask=mask, sinks=sinks
         )
+
+    def column_attention(self, queries, keys, values, *, scale, mask, sinks, weights):
+        """A prompt chunk's (out, probs, seen): kernels.attention_with_column_sums."""
+        return attention_with_column_sums(queries, keys, values, scale=scale, mask=mask,
+                                          sinks=sinks, weights=weights)
 
     def sdpa(self, queries, keys, values, *, scale):
         """Attention without scores (a group step's): MLX's fused SDPA."""
