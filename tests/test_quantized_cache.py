@@ -188,11 +188,16 @@ def test_mixed_zones_and_values_never_change():
         q, k, v = qkv(rng, L)
         mask = cache.make_mask(L)
         keys, values = cache.update_and_fetch(k, v)
-        pos = np.array(cache.positions[..., : cache.size()])  # the fetched slot layout
-        cache.h2o_attention(q, keys, values, scale=D**-0.5, mask=mask)
         deq = np.concatenate(
             [np.array(fake_from(t, b)) for t, b in zip(keys, (8, 4))], axis=2
         )
+        # The fetched slot layout: a chunk's before its compaction; a decode
+        # token's after its attention (a fused GPU step writes the token's
+        # position in its kernel, not in update_and_fetch).
+        pos = np.array(cache.positions[..., : cache.size()])
+        cache.h2o_attention(q, keys, values, scale=D**-0.5, mask=mask)
+        if L == 1:
+            pos = np.array(cache.positions[..., : cache.size()])
         if cache.size() == cfg.max_size and L == 1:
             recent = set(range(cache.offset - cfg.recent_budget, cache.offset))
             assert all(
