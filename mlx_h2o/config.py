@@ -84,7 +84,7 @@ class H2OConfig:
     overwritten, but fold their scores over the kept slots only (an evicted
     token is never scored again). The steady decode step is then
     RotatingKVCache's (two slice updates, MLX's SDPA over the whole buffer;
-    scores folded in batches) instead of a victim write and a score fold
+    scores folded a queue at a time) instead of a victim write and a score fold
     every token, for ``evict_batch / 2`` fewer scored heavy hitters on
     average (docs/RESULTS.md). 1 (the default) is per-step H2O. At most
     ``heavy_budget`` minus the pinned positions.

@@ -13,7 +13,7 @@ import pytest
 import mlx_h2o
 import mlx_h2o.cache.score_queue as deferred
 from mlx_h2o import H2OConfig, H2OKVCache, make_h2o_cache, policy
-from mlx_h2o.cache.score_queue import ScoreQueue, fold_queue, batch_logits
+from mlx_h2o.cache.score_queue import ScoreQueue, fold_queue, queue_logits
 from mlx_h2o.kernels.reference import scaled_dot_product_attention_with_scores
 from mlx_h2o.scores import DEFERRABLE, SCORE_MODES
 from tiny_models import tiny_llama
@@ -175,7 +175,7 @@ def test_trim_and_state_round_trip_fold_first():
     assert_same(restored, eager)
 
 
-def test_batch_logits_match_the_reference_per_step():
+def test_queue_logits_match_the_reference_per_step():
     rng = np.random.default_rng(7)
     n0, T = 11, 5
     keys = mx.array(rng.standard_normal((2, HK, n0 + T, D)).astype(np.float32))
@@ -183,7 +183,7 @@ def test_batch_logits_match_the_reference_per_step():
     qs = [mx.array(rng.standard_normal((2, HQ, 1, D)).astype(np.float32)) for _ in range(T)]
     for t, q in enumerate(qs):
         queue.push(q, n0 + t + 1, n0 + t, 0.3)
-    logits, lse = batch_logits(queue.take(), keys)
+    logits, lse = queue_logits(queue.take(), keys)
     for t, q in enumerate(qs):
         n = n0 + t + 1
         _, ref, ref_lse = scaled_dot_product_attention_with_scores(

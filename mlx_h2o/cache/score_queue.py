@@ -68,7 +68,7 @@ class ScoreQueue:
         return items
 
 
-def batch_logits(items: List[QueuedQuery], keys: mx.array) -> Tuple[mx.array, mx.array]:
+def queue_logits(items: List[QueuedQuery], keys: mx.array) -> Tuple[mx.array, mx.array]:
     """float32 logits (B, n_heads, T, n) and lse (B, n_heads, T) of the queued
     queries over ``keys`` (B, n_kv_heads, n, D); query t sees slots < items[t].n.
 
