@@ -38,8 +38,9 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
 def add_corpus_arg(parser: argparse.ArgumentParser) -> None:
     """The evaluation commands' ``--corpus`` (perplexity, profiles)."""
     parser.add_argument("--corpus", default="austen",
-                        help="austen, python-docs, python-src, sharegpt, hf:<dataset>, or "
-                        "the path of a text file or of a folder of *.txt files")
+                        help="austen, shakespeare, python-docs, python-src, sharegpt, "
+                        "iso-codes, hf:<dataset>, or the path of a text file or of a "
+                        "folder of *.txt files")
 
 
 def add_contexts_arg(parser: argparse.ArgumentParser) -> None:
