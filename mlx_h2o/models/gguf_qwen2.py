@@ -39,7 +39,8 @@ def _rope_scaling(meta: Mapping[str, Any]) -> dict[str, Any] | None:
     if kind == "none":
         return None
     if kind == "linear":
-        return {"type": "linear", "factor": meta_value(meta, f"{ARCH}.rope.scaling.factor")}
+        factor = meta_value(meta, f"{ARCH}.rope.scaling.factor")
+        return {"type": "linear", "factor": factor}
     raise ValueError(f"unsupported rope scaling {kind!r} in a qwen2 GGUF")
 
 
