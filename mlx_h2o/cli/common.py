@@ -32,14 +32,16 @@ def command_parser(name: str, doc: str) -> argparse.ArgumentParser:
 def add_model_arg(parser: argparse.ArgumentParser) -> None:
     """The evaluation commands' ``--model``: a packaged model or an mlx-lm path."""
     parser.add_argument("--model", default="smollm2-135m",
-                        help="packaged model (smollm2-135m, gemma3-270m) or an mlx-lm path")
+                        help="packaged model (smollm2-135m, gemma3-270m, "
+                        "qwen2.5-coder-0.5b) or an mlx-lm path")
 
 
 def add_corpus_arg(parser: argparse.ArgumentParser) -> None:
     """The evaluation commands' ``--corpus`` (perplexity, profiles)."""
     parser.add_argument("--corpus", default="austen",
-                        help="austen, python-docs, python-src, sharegpt, hf:<dataset>, or "
-                        "the path of a text file or of a folder of *.txt files")
+                        help="austen, shakespeare, python-docs, python-src, sharegpt, "
+                        "iso-codes, hf:<dataset>, or the path of a text file or of a "
+                        "folder of *.txt files")
 
 
 def add_contexts_arg(parser: argparse.ArgumentParser) -> None:

