@@ -16,12 +16,12 @@ from .gguf_convert import meta_value, rename, split_block_name
 
 ARCH = "llama"
 
-_TOP = {
+TOP_NAMES = {  # GGUF -> mlx-lm names outside the blocks (qwen2's too)
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-_BLOCK = {
+BLOCK_NAMES = {  # GGUF -> mlx-lm names inside a block (qwen2's too)
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -57,7 +57,8 @@ def llama_cpp_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _rope_scaling(meta: Mapping[str, Any], p: str) -> dict[str, Any] | None:
+def rope_scaling(meta: Mapping[str, Any], p: str) -> dict[str, Any] | None:
+    """mlx-lm's rope_scaling of architecture ``p``'s GGUF metadata (linear or none)."""
     kind = meta_value(meta, f"{p}.rope.scaling.type", "none")
     if kind == "none":
         return None
@@ -92,7 +93,7 @@ def make_config(meta: Mapping[str, Any], names: set[str]) -> dict[str, Any]:
         "rms_norm_eps": meta_value(meta, f"{p}.attention.layer_norm_rms_epsilon"),
         "vocab_size": meta_value(meta, f"{p}.vocab_size", len(tokens)),
         "rope_theta": meta_value(meta, f"{p}.rope.freq_base", 10_000.0),
-        "rope_scaling": _rope_scaling(meta, p),
+        "rope_scaling": rope_scaling(meta, p),
         "max_position_embeddings": meta_value(meta, f"{p}.context_length", None),
         "attention_bias": "blk.0.attn_q.bias" in names,
         "mlp_bias": "blk.0.ffn_up.bias" in names,
@@ -109,4 +110,4 @@ def convert_tensor(
         array = llama_cpp_unpermute(array, config["num_attention_heads"])
     elif rest.startswith("attn_k."):
         array = llama_cpp_unpermute(array, config["num_key_value_heads"])
-    return rename(name, _TOP, _BLOCK), array
+    return rename(name, TOP_NAMES, BLOCK_NAMES), array

@@ -13,35 +13,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from .gguf_convert import meta_value, rename
+from .gguf_llama import BLOCK_NAMES, TOP_NAMES, rope_scaling
 
 ARCH = "qwen2"
-
-_TOP = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_BLOCK = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
-def _rope_scaling(meta: Mapping[str, Any]) -> dict[str, Any] | None:
-    kind = meta_value(meta, f"{ARCH}.rope.scaling.type", "none")
-    if kind == "none":
-        return None
-    if kind == "linear":
-        factor = meta_value(meta, f"{ARCH}.rope.scaling.factor")
-        return {"type": "linear", "factor": factor}
-    raise ValueError(f"unsupported rope scaling {kind!r} in a qwen2 GGUF")
 
 
 def make_config(meta: Mapping[str, Any], names: set[str]) -> dict[str, Any]:
@@ -67,7 +41,7 @@ def make_config(meta: Mapping[str, Any], names: set[str]) -> dict[str, Any]:
         "rms_norm_eps": meta_value(meta, f"{p}.attention.layer_norm_rms_epsilon"),
         "vocab_size": meta_value(meta, f"{p}.vocab_size", len(tokens)),
         "rope_theta": meta_value(meta, f"{p}.rope.freq_base", 1_000_000.0),
-        "rope_scaling": _rope_scaling(meta),
+        "rope_scaling": rope_scaling(meta, p),
         "max_position_embeddings": meta_value(meta, f"{p}.context_length", 32768),
         "tie_word_embeddings": "output.weight" not in names,
     }
@@ -77,4 +51,4 @@ def convert_tensor(
     name: str, array: np.ndarray, config: Mapping[str, Any]
 ) -> tuple[str, np.ndarray]:
     """(mlx-lm name, array) for one dequantized GGUF tensor."""
-    return rename(name, _TOP, _BLOCK), array
+    return rename(name, TOP_NAMES, BLOCK_NAMES), array
