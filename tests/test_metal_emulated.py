@@ -20,6 +20,8 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 
 import gpu_check  # noqa: E402
+import rows_step_check  # noqa: E402
+import test_batch_steps  # noqa: E402
 import metal_emu  # noqa: E402
 import test_group_fold_gpu  # noqa: E402
 import test_kv_write_gpu  # noqa: E402
@@ -197,6 +199,54 @@ def test_metal_masked_fused_step_follows_the_reference_cache(metal, splits):
                                 prefill=30, steps=20, splits=splits, seed=5, masked=True)
     assert stats["fails"] == 0, stats
     assert stats["evictions"] > 8, stats
+
+
+@needs_clang
+@pytest.mark.parametrize("case", rows_step_check.CASES, ids=lambda c: c.label())
+def test_metal_rows_step_matches_the_batch_step(metal, case):
+    """The fused step over rows at different fill levels (full, filling,
+    without a token, full with empty slots) on Metal's text: attention out
+    against float64, positions, counts and next slots against the batch
+    cache's step in MLX ops, scores within 1e-4."""
+    assert rows_step_check.check_rows_step(case, seed=11) == []
+
+
+@pytest.fixture
+def batch_on_metal(metal, monkeypatch):
+    """The batch cache's decode steps on the emulated Metal rows kernels;
+    counts the fused steps taken."""
+    from mlx_h2o.cache.decode import rows
+
+    monkeypatch.setattr(rows, "runs_on_gpu", lambda: True)
+    monkeypatch.setattr(rows, "h2o_step_supported", lambda *a, **k: True)
+    taken = []
+    fused = rows.RowsStep.fused
+
+    def counted(self, *args):
+        taken.append(1)
+        return fused(self, *args)
+
+    monkeypatch.setattr(rows.RowsStep, "fused", counted)
+    return taken
+
+
+@needs_clang
+@pytest.mark.parametrize("name", ["window", "ema"])
+def test_metal_batch_rows_keep_what_single_caches_do(batch_on_metal, name):
+    """Rows of different fill levels decoding on the Metal rows kernels keep
+    and score exactly what single caches (CPU ops) fed each row keep."""
+    test_batch_steps.test_rows_keep_and_score_what_single_caches_do(
+        "llama", name, "compiled")
+    assert len(batch_on_metal) >= 9 * 2  # every decode step of both layers
+
+
+@needs_clang
+def test_metal_batch_rows_joining_leaving_and_padded(batch_on_metal):
+    """Rows leaving, joining and a left-padded row without a token, on the
+    Metal rows kernels: as single caches, and within the slot bound."""
+    test_batch_steps.test_rows_joining_and_leaving_keep_their_tokens_while_decoding()
+    test_batch_steps.test_a_row_without_a_token_keeps_the_slot_bound()
+    assert len(batch_on_metal) > 0
 
 
 @needs_clang
@@ -437,6 +487,34 @@ def test_a_wrong_group_fold_is_caught_at_first_use(first_use, monkeypatch):
     with pytest.warns(RuntimeWarning, match="group fold dense failed its first-use check"):
         test_group_fold_gpu.test_grouped_caches_match_per_layer_on_gpu(None)
     assert first_use == {"queue fold": True, "group fold dense": False}
+
+
+@needs_clang
+def test_metal_rows_step_passes_its_first_use_check(first_use, batch_on_metal):
+    """A batch's first decode step on a Mac checks the Metal rows kernels
+    against the ops step; they pass, and later steps run them unchecked."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="mlx-h2o: the Metal")
+        test_batch_steps.test_a_row_without_a_token_keeps_the_slot_bound()
+    assert first_use["fused step over rows"] is True
+
+
+@needs_clang
+def test_a_wrong_rows_step_is_caught_at_first_use(first_use, batch_on_metal, monkeypatch):
+    """Rows kernels told that no row is full (every next slot an empty one)
+    fail the check: a warning, and the batch stays on the ops step, so its
+    rows still keep what single caches keep."""
+    from mlx_h2o.cache.decode import rows
+
+    real = rows.row_params
+    monkeypatch.setattr(rows, "row_params", lambda seen, has, full, *a: real(
+        seen, has, [False] * len(full), *a))
+    rows._params.cache_clear()
+    with pytest.warns(RuntimeWarning, match="fused step over rows failed its first-use check"):
+        test_batch_steps.test_rows_keep_and_score_what_single_caches_do(
+            "llama", "window", "compiled")
+    rows._params.cache_clear()
+    assert first_use["fused step over rows"] is False
 
 
 @needs_clang

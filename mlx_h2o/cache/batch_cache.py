@@ -16,9 +16,9 @@ compacted, as H2OKVCache does).
 
 Speed paths (docs/DESIGN.md): a prompt chunk whose rows are scored by their
 last ``prefill_window`` queries is attended by MLX's fused SDPA, and only
-those queries' logits are computed; a decode step is one compiled call
-(``ops_step.rows_step``) that writes each row's token metadata, attends,
-folds and picks each row's next slot.
+those queries' logits are computed; a decode step writes each row's token
+metadata, attends, folds and picks each row's next slot in the fused GPU
+kernels, or in one compiled call of MLX ops (``decode/rows.py``).
 """
 
 import json
@@ -33,8 +33,8 @@ from ..kernels import attention_with_column_sums, scaled_dot_product_attention_w
 from ..scores import score_mode
 from . import batch_slots as bs
 from .batch_rows import BatchRows, row_ints
+from .decode.rows import RowsDecode, RowsStep
 from .h2o import H2OKVCache
-from .ops_step import compiled_rows_step, rows_step, written_input
 
 
 class _Call(NamedTuple):
@@ -47,8 +47,7 @@ class _Call(NamedTuple):
     # (B,) rows scored by expected attention, (B, W) their window's queries
     expected: Optional[Tuple[mx.array, mx.array]] = None
     columns: Optional[mx.array] = None  # (B, W) the only queries a chunk scores
-    # A decode step's (target, qpos, rank_at, full, written): ops_step.rows_step
-    step: Optional[tuple] = None
+    step: Optional[RowsDecode] = None  # a decode step's (decode/rows.py)
 
 
 class BatchH2OKVCache(BatchRows):
@@ -76,6 +75,7 @@ class BatchH2OKVCache(BatchRows):
         self._call = None
         self._target = None  # (B, Hk, 1) slot of each row's next decode token
         self._keys_scored_by = None  # the score mode _keys_scored was decided for
+        self._step = None  # the decode step (RowsStep) of this config and window
         self.token_bytes = 0
         self._set_rows([0] * batch_size, [0] * batch_size,
                        list(left_padding or [0] * batch_size), None)
@@ -175,17 +175,12 @@ class BatchH2OKVCache(BatchRows):
         return mx.put_along_axis(full, call.columns, call.select, axis=1)
 
     def _attend_decode(self, queries, keys, values, scale, mask, sinks, step):
-        """One token per row: ops_step.rows_step, compiled where nothing but
-        the positions masks it."""
-        cfg, meta = self.config, (self.positions, self.score, self.count)
-        target, qpos, rank_at, full, written = step
-        args = (queries, keys, values, *meta, target, qpos, rank_at, full)
-        if mask is None and sinks is None:
-            fn = compiled_rows_step(cfg, float(scale), self.window_size)
-            out, *meta, nxt = fn(*args, written_input(written))
-        else:
-            out, *meta, nxt = rows_step(cfg, scale, *args, written, self.window_size,
-                                        mask=mask, sinks=sinks)
+        """One token per row: the fused kernels on a GPU, else the compiled
+        ops step (decode/rows.py)."""
+        run = self._step
+        if run is None or (run.config, run.window_size) != (self.config, self.window_size):
+            run = self._step = RowsStep(self.config, self.window_size)
+        out, *meta, nxt = run(self, queries, keys, values, scale, mask, sinks, step)
         self.positions, self.score, self.count = meta
         self._target = nxt
         # Evaluated with the output: left lazy, each step's graph would hold
@@ -284,8 +279,10 @@ class BatchH2OKVCache(BatchRows):
         self.kept = [k + (h and not f) for k, h, f in zip(self.kept, has, full)]
         self.seen = [s + h for s, h in zip(self.seen, has)]
         full_next = tuple(k >= cfg.max_size for k in self.kept)
-        step = (target, row_ints(qpos, 3), row_ints(tuple(s + 1 for s in self.seen), 3),
-                row_ints(full_next, 3, mx.bool_), self._written_score(keys))
+        seen = tuple(self.seen)
+        step = RowsDecode(target, row_ints(qpos, 3), row_ints(tuple(s + 1 for s in seen), 3),
+                          row_ints(full_next, 3, mx.bool_), self._written_score(keys),
+                          seen, tuple(has), full_next)
         self._call = _Call(row_ints(qpos, 2), None, step=step)
 
     def _written_score(self, keys):

@@ -160,7 +160,8 @@ def rows_step(config: H2OConfig, scale: float, queries, keys, values, positions,
     of its window are masked), its attention is folded in, and the slot of
     the row's next token is picked: its victim ranked at ``rank_at`` where
     ``full``, else its lowest empty slot. A row without a token this step
-    (``qpos`` EMPTY) sees nothing and keeps its scores.
+    (``qpos`` EMPTY) sees nothing, keeps its scores and gets zeros out (as
+    the fused kernels give it: ``kernels.h2o_rows_step``).
 
     Shapes: queries (B, Hq, 1, D); keys, values (B, Hk, N, D); positions,
     score, count (B, Hk, N); target (B, Hk, 1) int32; qpos, rank_at (B, 1, 1)
@@ -175,6 +176,7 @@ def rows_step(config: H2OConfig, scale: float, queries, keys, values, positions,
     out, logits, lse = reference.scaled_dot_product_attention_with_scores(
         queries, keys, values, scale=scale, mask=policy.combine_masks(own, mask),
         sinks=sinks)
+    out = mx.where(has[..., None], out, 0.0)
     lse = mx.where(lse > -mx.inf, lse, 0.0)  # a row that sees nothing folds nothing
     s, c = policy.fold_scores(config.score, s, c, logits, lse, config.ema_alpha)
     pri = policy.slot_priority(config, p, s, c, rank_at, window_size)

@@ -15,7 +15,7 @@ from . import reference
 from .backend import gpu_backend, runs_on_gpu, supported
 from .decode import decode_attention
 from .h2o_step import H2OFold, H2OStep, fold_step_supported, h2o_decode_step
-from .h2o_step import h2o_fold_step, h2o_step_supported, make_plan
+from .h2o_step import h2o_fold_step, h2o_rows_step, h2o_step_supported, make_plan
 from .queued import queue_fold, queue_fold_supported
 from .reference import Mask, attention_with_column_sums, causal_mask
 
@@ -68,6 +68,7 @@ __all__ = [
     "gpu_backend",
     "h2o_decode_step",
     "h2o_fold_step",
+    "h2o_rows_step",
     "h2o_step_supported",
     "make_plan",
     "queue_fold",

@@ -49,7 +49,7 @@ def _prelude(backend: str) -> Tuple[str, str]:
     raise ValueError(f"unknown backend {backend!r}")
 
 
-def _mask_apply(mask: str, fused: bool) -> str:
+def _mask_apply(mask: str, fused: bool, rows: bool = False) -> str:
     code = {
         "none": "",
         "causal": src.MASK_CAUSAL,
@@ -58,7 +58,7 @@ def _mask_apply(mask: str, fused: bool) -> str:
     }[mask]
     lines = [code] if code else []
     if fused:
-        lines.append(src.MASK_WINDOW)
+        lines.append(src.MASK_ROWS if rows else src.MASK_WINDOW)
     return "\n".join(" " * 14 + line for line in lines)
 
 
@@ -77,20 +77,43 @@ def pass1_names(mask: str, sinks: bool, split: bool, fused: bool):
     return inputs, outputs
 
 
-def pass1_source(backend: str, mask: str, sinks: bool, split: bool, fused: bool):
-    """(header, body) of pass 1."""
+def row_params(rows: bool, block_row: str) -> dict:
+    """The fused step's $PRM / $FLAGS: the launch's prm_i, or (``rows``: rows
+    at different fill levels) the 8 of the row that ``block_row`` names."""
+    if not rows:
+        return {"PRM": "prm_i", "FLAGS": "0"}
+    prm = f"(prm_i + ({block_row}) * 8)"
+    return {"PRM": prm, "FLAGS": f"{prm}[6]"}
+
+
+def fold_text(nv: str, ns: str, vw: str, rows: bool = False) -> str:
+    """FOLD for one (sequence or row, KV head) block: blk_x = b * HK + hk."""
+    return Template(src.FOLD).substitute(NV=nv, NS=ns, VW=vw, **row_params(rows, "blk_x / HK"))
+
+
+def _victim_width(rows: bool) -> str:
+    # A sequence's victim is repeated along D: it indexes the next token's K/V
+    # writes as is. Rows take theirs as a (B, Hk, 1) slot index.
+    return "1" if rows else "D"
+
+
+def pass1_source(backend: str, mask: str, sinks: bool, split: bool, fused: bool,
+                 rows: bool = False):
+    """(header, body) of pass 1; ``rows``: the fused step over rows at
+    different fill levels (per-row parameters)."""
     if mask not in MASK_KINDS:
         raise ValueError(f"unknown mask kind {mask!r}")
     header, ids = _prelude(backend)
     tail = ""
     if fused and not split:
-        tail = src.FOLD_PASS1_LSE + Template(src.FOLD).substitute(NV="N", NS="NS", VW="D")
+        tail = src.FOLD_PASS1_LSE + fold_text("N", "NS", _victim_width(rows), rows)
     body = Template(src.PASS1).substitute(
         IDS=ids,
         MASK_SETUP=src.MASK_SETUP if mask in ("bool", "add") else "",
-        FUSED_SETUP=src.FUSED_SETUP if fused else "",
+        FUSED_SETUP=(Template(src.FUSED_SETUP).substitute(row_params(rows, "b")) if fused
+                     else ""),
         FUSED_KPOS=(" " * 10 + src.FUSED_KPOS) if fused else "",
-        MASK_APPLY=_mask_apply(mask, fused),
+        MASK_APPLY=_mask_apply(mask, fused, rows),
         SINK_INIT=src.SINK_INIT_PASS1 if (sinks and not split) else "",
         WRITE_ROW=src.WRITE_PARTIAL if split else src.WRITE_FINAL,
         RANGE=Template(src.PASS1_RANGE).substitute(NVALID="prm_i[5]" if fused else "NS"),
@@ -130,15 +153,14 @@ def pass2_names(sinks: bool, fused: bool):
     return inputs, outputs
 
 
-def pass2_source(backend: str, sinks: bool, fused: bool):
+def pass2_source(backend: str, sinks: bool, fused: bool, rows: bool = False):
     header, ids = _prelude(backend)
     body = Template(src.PASS2).substitute(
         IDS=ids,
         FUSED_ROWS=f"  constexpr bool FUSED_ROWS = {'true' if fused else 'false'};",
         SINK_MAX=src.SINK_MAX_PASS2 if sinks else "",
         SINK_SUM=src.SINK_SUM_PASS2 if sinks else "",
-        TAIL=Template(src.FOLD).substitute(NV="prm_i[5]", NS="logits_shape[3]",
-                                          VW="D") if fused else "",
+        TAIL=fold_text("prm_i[5]", "logits_shape[3]", _victim_width(rows), rows) if fused else "",
     )
     return header, body
 
@@ -151,7 +173,7 @@ def fold_names():
 def fold_source(backend: str):
     """(header, body) of the fold-only kernel (score fold + next victim)."""
     header, ids = _prelude(backend)
-    tail = Template(src.FOLD).substitute(NV="prm_i[5]", NS="logits_shape[3]", VW="D")
+    tail = fold_text("prm_i[5]", "logits_shape[3]", "D")
     return header, Template(src.FOLD_ONLY).substitute(IDS=ids, TAIL=tail)
 
 
@@ -188,15 +210,15 @@ def _built_once(backend: str, name: str, names, header: str, body: str):
 
 
 @lru_cache(maxsize=None)
-def _make_pass1_kernel(mask: str, sinks: bool, split: bool, fused: bool):
+def _make_pass1_kernel(mask: str, sinks: bool, split: bool, fused: bool, rows: bool = False):
     """Pass-1 kernel for these flags, or None without a GPU backend. Built for
     ``device_backend()``: the first-use check itself runs these."""
     backend = device_backend()
     if backend is None:
         return None
-    return _kernel(backend, _pass1_name(mask, sinks, split, fused),
+    return _kernel(backend, _pass1_name(mask, sinks, split, fused, rows),
                    pass1_names(mask, sinks, split, fused),
-                   *pass1_source(backend, mask, sinks, split, fused))
+                   *pass1_source(backend, mask, sinks, split, fused, rows))
 
 
 @lru_cache(maxsize=None)
@@ -208,23 +230,24 @@ def _make_pass1_mma_kernel(mask: str):
                    *pass1mma_source("cuda", mask))
 
 
-def _pass1_name(mask: str, sinks: bool, split: bool, fused: bool) -> str:
-    return f"h2o_attn1_{mask}_{int(sinks and not split)}{int(split)}{int(fused)}"
+def _pass1_name(mask: str, sinks: bool, split: bool, fused: bool, rows: bool = False) -> str:
+    tag = "r" if rows else ""
+    return f"h2o_attn1{tag}_{mask}_{int(sinks and not split)}{int(split)}{int(fused)}"
 
 
 @lru_cache(maxsize=None)
-def _make_pass2_kernel(sinks: bool, fused: bool):
+def _make_pass2_kernel(sinks: bool, fused: bool, rows: bool = False):
     """Pass-2 (split merge, optional H2O fold) kernel, or None without a GPU.
     Built for ``device_backend()``, as pass 1."""
     backend = device_backend()
     if backend is None:
         return None
-    return _kernel(backend, _pass2_name(sinks, fused), pass2_names(sinks, fused),
-                   *pass2_source(backend, sinks, fused))
+    return _kernel(backend, _pass2_name(sinks, fused, rows), pass2_names(sinks, fused),
+                   *pass2_source(backend, sinks, fused, rows))
 
 
-def _pass2_name(sinks: bool, fused: bool) -> str:
-    return f"h2o_attn2_{int(sinks)}{int(fused)}"
+def _pass2_name(sinks: bool, fused: bool, rows: bool = False) -> str:
+    return f"h2o_attn2{'r' if rows else ''}_{int(sinks)}{int(fused)}"
 
 
 @lru_cache(maxsize=None)
@@ -238,22 +261,23 @@ def _make_fold_kernel(backend: Optional[str]):
 
 
 @lru_cache(maxsize=None)
-def _make_pass1_precompiled(mask: str, sinks: bool, split: bool, fused: bool):
+def _make_pass1_precompiled(mask: str, sinks: bool, split: bool, fused: bool,
+                            rows: bool = False):
     """``_make_pass1_kernel``'s kernel as ``_precompiled``, for calls whose
     inputs are all row-contiguous, such as a cache's whole buffers (MLX's
     build reads strided views in place)."""
-    return _precompiled(device_backend(), _pass1_name(mask, sinks, split, fused),
+    return _precompiled(device_backend(), _pass1_name(mask, sinks, split, fused, rows),
                         pass1_names(mask, sinks, split, fused),
-                        *pass1_source("cuda", mask, sinks, split, fused),
-                        _make_pass1_kernel(mask, sinks, split, fused))
+                        *pass1_source("cuda", mask, sinks, split, fused, rows),
+                        _make_pass1_kernel(mask, sinks, split, fused, rows))
 
 
 @lru_cache(maxsize=None)
-def _make_pass2_precompiled(sinks: bool, fused: bool):
+def _make_pass2_precompiled(sinks: bool, fused: bool, rows: bool = False):
     """``_make_pass2_kernel``'s kernel as ``_precompiled``, as pass 1's."""
-    return _precompiled(device_backend(), _pass2_name(sinks, fused),
-                        pass2_names(sinks, fused), *pass2_source("cuda", sinks, fused),
-                        _make_pass2_kernel(sinks, fused))
+    return _precompiled(device_backend(), _pass2_name(sinks, fused, rows),
+                        pass2_names(sinks, fused), *pass2_source("cuda", sinks, fused, rows),
+                        _make_pass2_kernel(sinks, fused, rows))
 
 
 def all_sources(backend: str) -> List[Tuple[str, str, str]]:
@@ -268,6 +292,12 @@ def all_sources(backend: str) -> List[Tuple[str, str, str]]:
     for sinks in (False, True):
         for fused in (False, True):
             out.append((f"pass2 sinks={sinks} fused={fused}", *pass2_source(backend, sinks, fused)))
+    for sinks in (False, True):  # the fused step over rows at different fill levels
+        for split in (False, True):
+            label = f"pass1 mask=none sinks={sinks} split={split} fused=True rows=True"
+            out.append((label, *pass1_source(backend, "none", sinks, split, True, True)))
+        out.append((f"pass2 sinks={sinks} fused=True rows=True",
+                    *pass2_source(backend, sinks, True, True)))
     out.append(("fold", *fold_source(backend)))
     if backend == "cuda":
         out += [(f"pass1mma mask={m}", *pass1mma_source(backend, m)) for m in MMA_MASK_KINDS]
@@ -303,7 +333,7 @@ def group_source(backend: str, n_layers: int, quantized: bool = False):
         kload = src.GROUP_LOAD_DENSE
     body = Template(src.GROUP_FOLD).substitute(
         IDS=ids, KSETUP=ksetup.strip("\n"), KLOAD=kload.strip("\n"), QSELECT=select("q"),
-        FOLD=Template(src.FOLD).substitute(NV="prm_i[5]", NS="pos_in_shape[2]", VW="VD"),
+        FOLD=fold_text("prm_i[5]", "pos_in_shape[2]", "VD"),
     )
     return header, body
 

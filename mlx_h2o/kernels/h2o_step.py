@@ -44,6 +44,24 @@ def _no_slot() -> mx.array:
     return mx.zeros((1, 1), dtype=mx.int32)
 
 
+# Flags of a row's parameters (source.FUSED_SETUP): no token this step, its
+# next slot is its lowest empty one, it holds empty slots.
+NO_TOKEN, FILLING, HOLES = 1, 2, 4
+
+
+def row_params(offsets, has, full, tail, valid) -> list:
+    """The rows kernels' prm_i, 8 ints a row: rows at different fill levels
+    (a batch). Row b has seen ``offsets[b]`` tokens, its token of this step
+    (when ``has[b]``) at position ``offsets[b] - 1`` already in its slot; its
+    next slot is its victim ranked at ``offsets[b] + 1`` where ``full[b]``,
+    else its lowest empty slot. ``tail`` and ``valid`` as params_row."""
+    out = []
+    for off, h, f in zip(offsets, has, full):
+        flags = HOLES | (0 if h else NO_TOKEN) | (0 if f else FILLING)
+        out += [off, -1, *tail, valid, flags, 0]
+    return out
+
+
 def params_row(offset, append_slot, tail, valid) -> list:
     """The kernels' prm_i: offset, append slot (-1: the token went to ``slot``),
     then ``tail`` = (window or 0, sink_size, recent_budget), then the valid count."""
@@ -81,7 +99,7 @@ class StepPlan:
     """
 
     def __init__(self, B, Hq, Hk, D, dtype, cap, kind, mh, mode, alpha, scale,
-                 sink_size, recent_budget, pinned, window_size, has_sinks):
+                 sink_size, recent_budget, pinned, window_size, has_sinks, rows=False):
         G = Hq // Hk
         # Lanes a key row as decode_attention's (16 at D=128 on CUDA), or the
         # launch setting: checked fused on an H200, a layer step timed the
@@ -98,12 +116,15 @@ class StepPlan:
         self.pins = _pins(tuple(pinned))
         self.tail = [window_size or 0, sink_size, recent_budget]
         f32, i32 = mx.float32, mx.int32
-        self.state_shapes = [(B, Hk, cap)] * 3 + [(B, Hk, 1, D)]
+        # ``rows``: per-row parameters (row_params); the victim a (B, Hk, 1)
+        # slot index, as the batch cache's next targets.
+        self.rows = rows
+        self.state_shapes = [(B, Hk, cap)] * 3 + [(B, Hk, 1) if rows else (B, Hk, 1, D)]
         self.state_dtypes = [i32, f32, f32, i32]
         self.out_dtype = dtype
-        self.kernels = (_make_pass1_kernel(kind, has_sinks, False, True),
-                        _make_pass1_kernel(kind, has_sinks, True, True),
-                        _make_pass2_kernel(has_sinks, True))
+        self.kernels = (_make_pass1_kernel(kind, has_sinks, False, True, rows),
+                        _make_pass1_kernel(kind, has_sinks, True, True, rows),
+                        _make_pass2_kernel(has_sinks, True, rows))
         self.cap = cap
         self._splits = {}
         # On Metal the one-pass kernel with an array mask binds 32-33 buffers,
@@ -116,9 +137,9 @@ class StepPlan:
         # inputs are whole buffers, row-contiguous: on CUDA it runs kernels
         # built once per machine, not MLX's builds of every process (~1.5-2.5 s
         # at a process's first decode step, docs/DESIGN.md).
-        whole = (_make_pass1_precompiled(kind, has_sinks, False, True),
-                 _make_pass1_precompiled(kind, has_sinks, True, True),
-                 _make_pass2_precompiled(has_sinks, True))
+        whole = (_make_pass1_precompiled(kind, has_sinks, False, True, rows),
+                 _make_pass1_precompiled(kind, has_sinks, True, True, rows),
+                 _make_pass2_precompiled(has_sinks, True, rows))
         self.steady_kernels = whole if all(whole) else self.kernels
 
         def steady(*arrays):
@@ -143,6 +164,14 @@ class StepPlan:
         valid = k.shape[2] if valid is None else valid
         prm_i = step_params(offset, append_slot, self.tail, valid)
         slot = _no_slot() if slot is None else slot
+        return self.run(q, k, v, positions, score, count, slot, prm_i, mask, sinks,
+                        num_splits, poison)
+
+    def run(self, q, k, v, positions, score, count, slot, prm_i, mask=None, sinks=None,
+            num_splits=None, poison=None) -> H2OStep:
+        """The launch for ready parameters: ``prm_i`` of ``step_params``, or of
+        ``row_params`` (an int32 (B, 8) array) on a ``rows`` plan, whose
+        ``slot`` (B, n_kv_heads, 1) is where each row's token went."""
         arrays = (q, k, v, positions, score, count, slot, prm_i)
         arrays += () if sinks is None else (sinks,)
         if mask is None and poison is None and not num_splits and k.shape[2] == self.cap:
@@ -191,11 +220,11 @@ class StepPlan:
 
 @lru_cache(maxsize=64)
 def step_plan(B, Hq, Hk, D, dtype, cap, kind, mh, mode, alpha, scale, sink_size,
-              recent_budget, pinned, window_size, has_sinks) -> StepPlan:
+              recent_budget, pinned, window_size, has_sinks, rows=False) -> StepPlan:
     """The StepPlan for these static parameters (built once, then shared)."""
     mode_id(mode)  # ValueError if unknown
     return StepPlan(B, Hq, Hk, D, dtype, cap, kind, mh, mode, alpha, scale, sink_size,
-                    recent_budget, pinned, window_size, has_sinks)
+                    recent_budget, pinned, window_size, has_sinks, rows)
 
 
 def h2o_decode_step(
@@ -259,14 +288,70 @@ def h2o_decode_step(
 
 
 def make_plan(queries, keys, positions, mask, sinks, *, mode, alpha, scale, sink_size,
-              recent_budget, pinned, window_size) -> StepPlan:
-    """step_plan for these inputs (shapes, dtype, mask kind) and H2O settings."""
+              recent_budget, pinned, window_size, rows=False) -> StepPlan:
+    """step_plan for these inputs (shapes, dtype, mask kind) and H2O settings;
+    ``rows``: the plan of rows at different fill levels (``h2o_rows_step``)."""
     B, Hq, _, D = queries.shape
     Hk, N = keys.shape[1], keys.shape[2]
     kind, mh = mask_mode(mask, B, Hq, Hk, 1, N)
     return step_plan(B, Hq, Hk, D, queries.dtype, positions.shape[2], kind, mh, mode,
                      float(alpha), float(scale), sink_size, recent_budget,
-                     tuple(tuple(p) for p in pinned), window_size, sinks is not None)
+                     tuple(tuple(p) for p in pinned), window_size, sinks is not None, rows)
+
+
+def h2o_rows_step(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    positions: mx.array,
+    score: mx.array,
+    count: mx.array,
+    *,
+    target: mx.array,
+    offsets: Sequence[int],
+    has: Sequence[bool],
+    full: Sequence[bool],
+    scale: float,
+    mode: str = "ema",
+    alpha: float = 0.95,
+    sink_size: int = 0,
+    recent_budget: int = 1,
+    pinned: Sequence[Tuple[int, int]] = (),
+    window_size: Optional[int] = None,
+    sinks: Optional[mx.array] = None,
+    num_splits: Optional[int] = None,
+    poison: Optional[float] = None,
+) -> H2OStep:
+    """One decode step of rows at different fill levels on the GPU: what
+    ``cache.ops_step.rows_step`` computes, in the fused step's launches.
+
+    Shapes as h2o_decode_step, with whole buffers (N == cap); ``target``
+    int32 (B, n_kv_heads, 1): the slot each row's token went to. Per row b
+    (host values): ``offsets[b]`` tokens seen, the token of this step, if
+    ``has[b]``, at position ``offsets[b] - 1``; a row without one sees
+    nothing and keeps its scores. Slots at position ``policy.EMPTY`` hold no
+    token: masked, never scored nor a victim. ``full[b]``: the row's next
+    slot is its victim ranked at ``offsets[b] + 1``, else its lowest empty
+    slot; that next slot comes back as ``victim``, (B, n_kv_heads, 1) int32.
+    A row without a token attends nothing: its ``out`` is zeros.
+    """
+    B = queries.shape[0]
+    if not (len(offsets) == len(has) == len(full) == B):
+        raise ValueError(f"offsets, has and full need one value per row ({B}), got "
+                         f"{len(offsets)}, {len(has)}, {len(full)}")
+    if not h2o_step_supported(queries, keys, values, positions, None, sinks):
+        raise ValueError("h2o_rows_step: inputs not supported on this backend")
+    if target.dtype != mx.int32 or target.size != B * keys.shape[1]:
+        raise ValueError(f"target must be int32 of shape (B, n_kv_heads, 1), got "
+                         f"{target.dtype} {target.shape}")
+    mode_id(mode)  # ValueError if unknown
+    plan = make_plan(queries, keys, positions, None, sinks, mode=mode, alpha=alpha,
+                     scale=scale, sink_size=sink_size, recent_budget=recent_budget,
+                     pinned=pinned, window_size=window_size, rows=True)
+    prm = mx.array(row_params(offsets, has, full, plan.tail, keys.shape[2]),
+                   mx.int32).reshape(B, 8)
+    return plan.run(queries, keys, values, positions, score, count, target, prm,
+                    sinks=sinks, num_splits=num_splits, poison=poison)
 
 
 class H2OFold(NamedTuple):

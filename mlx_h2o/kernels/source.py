@@ -186,6 +186,10 @@ MASK_ADD = "x_ += static_cast<float>(mask[moff + (i64)key * mst3]);"
 # Fused step: the new token sits in slot w at position Q; a sliding window
 # hides positions <= Q - window.
 MASK_WINDOW = "if (window > 0 && kpos <= Q - window) x_ = -H2O_INF;"
+# Fused step over rows at different fill levels: a row sees the tokens it
+# holds (slots at position -1 hold none) up to its own query, and a row
+# without a token this step (Q == -1) sees nothing.
+MASK_ROWS = "if (kpos < 0 || kpos > Q || (window > 0 && kpos <= Q - window)) x_ = -H2O_INF;"
 
 # Offset of the mask row of this lane's (row, key); size-1 dims broadcast.
 MASK_SETUP = r"""
@@ -206,12 +210,19 @@ MASK_SETUP = r"""
   }
 """
 
+# The fused step's integer parameters: $PRM is the launch's prm_i (one
+# sequence or rows that share an offset) or row b's own 8 of them (rows at
+# different fill levels, kernels/h2o_step.py ROW_PARAMS); $FLAGS (0 for
+# one launch-wide row) says whether the row has no token this step (1), takes
+# its lowest empty slot next instead of a victim (2), and holds empty slots
+# (4: never a victim).
 FUSED_SETUP = r"""
-  const int offset = prm_i[0];
-  const int Q = offset - 1;
-  const int window = prm_i[2];
-  const int w = prm_i[1] >= 0
-      ? prm_i[1]
+  const int flags = $FLAGS;
+  const int offset = $PRM[0];
+  const int Q = (flags & 1) ? -1 : offset - 1;
+  const int window = $PRM[2];
+  const int w = (flags & 1) ? -1
+      : $PRM[1] >= 0 ? $PRM[1]
       : slot[b * slot_strides[0] + hk * slot_strides[1]];
   const i64 pbase = b * pos_in_strides[0] + hk * pos_in_strides[1];
   const i64 pst = pos_in_strides[2];
@@ -594,19 +605,20 @@ FOLD = r"""
   H2O_BARRIER_DEVICE();
   {
     const int cap = pos_in_shape[2];
-    const int offset = prm_i[0];
-    const int Q = offset - 1;
-    const int window = prm_i[2];
-    const int sink_n = prm_i[3];
-    const int recent = prm_i[4];
+    const int flags = $FLAGS;
+    const int offset = $PRM[0];
+    const int Q = (flags & 1) ? -1 : offset - 1;
+    const int window = $PRM[2];
+    const int sink_n = $PRM[3];
+    const int recent = $PRM[4];
     const int n_pin = pin_shape[0];
     const float ema_a = prm_f[1];
     const float ema_b = prm_f[2];
     const int b = blk_x / HK;
     const int hk = blk_x % HK;
     const int Nv = $NV;
-    const int w = prm_i[1] >= 0
-        ? prm_i[1]
+    const int w = (flags & 1) ? -1
+        : $PRM[1] >= 0 ? $PRM[1]
         : slot[b * slot_strides[0] + hk * slot_strides[1]];
     const i64 pb = b * pos_in_strides[0] + hk * pos_in_strides[1];
     const i64 sb = b * score_in_strides[0] + hk * score_in_strides[1];
@@ -634,7 +646,7 @@ FOLD = r"""
         } else {
           float pr = 0.0f;
           for (int g = 0; g < G; ++g) pr += H2O_EXP(logits[lb + g * Ns + s] - lse_sh[g]);
-          sc = sc + pr * (1.0f / G);
+          sc = (flags & 1) ? sc : sc + pr * (1.0f / G);  // a row without a token folds nothing
         }
         cn = cn + seen;
         bool keep = p < sink_n || p >= offset + 1 - recent;
@@ -645,9 +657,15 @@ FOLD = r"""
         int bits = H2O_F2I(pri);
         if ((bits & 0x7fffffff) == 0) bits = 0;
         const int ord = bits >= 0 ? bits : bits ^ 0x7fffffff;
-        if (best_s < 0 || ord < best_o || (ord == best_o && p < best_p)) {
-          best_o = ord;
-          best_p = p;
+        // A filling row's next slot is its lowest empty one; a victim is a
+        // held token.
+        const bool fill = (flags & 2) != 0;
+        const int ko = fill ? 0 : ord;
+        const int kp = fill ? s : p;
+        const bool cand = fill ? p < 0 : (p >= 0 || (flags & 4) == 0);
+        if (cand && (best_s < 0 || ko < best_o || (ko == best_o && kp < best_p))) {
+          best_o = ko;
+          best_p = kp;
           best_s = s;
         }
       }
@@ -681,7 +699,7 @@ FOLD = r"""
           best_s = bs_s[i];
         }
       }
-      victim_s = best_s;
+      victim_s = best_s < 0 ? 0 : best_s;  // no candidate: slot 0, as policy.first_empty
     }
     // Repeated along its width VW: the victim indexes the next step's K/V
     // writes as is (D wide for dense K/V, 1 for packed).

@@ -13,19 +13,20 @@ enum KernelSource {
   H2O_BARRIER_DEVICE();
   {
     const int cap = pos_in_shape[2];
-    const int offset = prm_i[0];
-    const int Q = offset - 1;
-    const int window = prm_i[2];
-    const int sink_n = prm_i[3];
-    const int recent = prm_i[4];
+    const int flags = $FLAGS;
+    const int offset = $PRM[0];
+    const int Q = (flags & 1) ? -1 : offset - 1;
+    const int window = $PRM[2];
+    const int sink_n = $PRM[3];
+    const int recent = $PRM[4];
     const int n_pin = pin_shape[0];
     const float ema_a = prm_f[1];
     const float ema_b = prm_f[2];
     const int b = blk_x / HK;
     const int hk = blk_x % HK;
     const int Nv = $NV;
-    const int w = prm_i[1] >= 0
-        ? prm_i[1]
+    const int w = (flags & 1) ? -1
+        : $PRM[1] >= 0 ? $PRM[1]
         : slot[b * slot_strides[0] + hk * slot_strides[1]];
     const i64 pb = b * pos_in_strides[0] + hk * pos_in_strides[1];
     const i64 sb = b * score_in_strides[0] + hk * score_in_strides[1];
@@ -53,7 +54,7 @@ enum KernelSource {
         } else {
           float pr = 0.0f;
           for (int g = 0; g < G; ++g) pr += H2O_EXP(logits[lb + g * Ns + s] - lse_sh[g]);
-          sc = sc + pr * (1.0f / G);
+          sc = (flags & 1) ? sc : sc + pr * (1.0f / G);  // a row without a token folds nothing
         }
         cn = cn + seen;
         bool keep = p < sink_n || p >= offset + 1 - recent;
@@ -64,9 +65,15 @@ enum KernelSource {
         int bits = H2O_F2I(pri);
         if ((bits & 0x7fffffff) == 0) bits = 0;
         const int ord = bits >= 0 ? bits : bits ^ 0x7fffffff;
-        if (best_s < 0 || ord < best_o || (ord == best_o && p < best_p)) {
-          best_o = ord;
-          best_p = p;
+        // A filling row's next slot is its lowest empty one; a victim is a
+        // held token.
+        const bool fill = (flags & 2) != 0;
+        const int ko = fill ? 0 : ord;
+        const int kp = fill ? s : p;
+        const bool cand = fill ? p < 0 : (p >= 0 || (flags & 4) == 0);
+        if (cand && (best_s < 0 || ko < best_o || (ko == best_o && kp < best_p))) {
+          best_o = ko;
+          best_p = kp;
           best_s = s;
         }
       }
@@ -100,7 +107,7 @@ enum KernelSource {
           best_s = bs_s[i];
         }
       }
-      victim_s = best_s;
+      victim_s = best_s < 0 ? 0 : best_s;  // no candidate: slot 0, as policy.first_empty
     }
     // Repeated along its width VW: the victim indexes the next step's K/V
     // writes as is (D wide for dense K/V, 1 for packed).
@@ -136,11 +143,12 @@ const int kpos = key == w ? Q : pos_in[pbase + key * pst];
 """#,
         "FUSED_SETUP": #"""
 
-  const int offset = prm_i[0];
-  const int Q = offset - 1;
-  const int window = prm_i[2];
-  const int w = prm_i[1] >= 0
-      ? prm_i[1]
+  const int flags = $FLAGS;
+  const int offset = $PRM[0];
+  const int Q = (flags & 1) ? -1 : offset - 1;
+  const int window = $PRM[2];
+  const int w = (flags & 1) ? -1
+      : $PRM[1] >= 0 ? $PRM[1]
       : slot[b * slot_strides[0] + hk * slot_strides[1]];
   const i64 pbase = b * pos_in_strides[0] + hk * pos_in_strides[1];
   const i64 pst = pos_in_strides[2];
@@ -299,6 +307,9 @@ if (!mask[moff + (i64)key * mst3]) x_ = -H2O_INF;
 """#,
         "MASK_CAUSAL": #"""
 if (key > N - L + H2O_ROW_L(r)) x_ = -H2O_INF;
+"""#,
+        "MASK_ROWS": #"""
+if (kpos < 0 || kpos > Q || (window > 0 && kpos <= Q - window)) x_ = -H2O_INF;
 """#,
         "MASK_SETUP": #"""
 

@@ -22,6 +22,11 @@ public enum MetalKernels {
 
     /// Pass 1 of the decode attention (`split`: partials for pass 2; `fused`: the
     /// H2O step's position / window handling and, without split, the fold).
+    /// The fused step's parameters of one sequence (build.py `row_params`):
+    /// the launch's `prm_i`, no per-row flags. The rows variant (batched
+    /// generation) is the Python package's only.
+    static let sequenceParams = ["PRM": "prm_i", "FLAGS": "0"]
+
     public static func pass1(mask: KernelMask, sinks: Bool, split: Bool, fused: Bool) -> KernelVariant {
         let p = KernelSource.attention
         // With splits, pass 2 takes the sinks.
@@ -34,13 +39,13 @@ public enum MetalKernels {
             split
             ? ["logits", "part_o", "part_ml"]
             : ["out", "logits", "lse"] + (fused ? ["pos_out", "score_out", "count_out", "victim"] : [])
-        let tail = fused && !split ? p["FOLD_PASS1_LSE"]! + substitute(p["FOLD"]!, ["NV": "N", "NS": "NS", "VW": "D"]) : ""
+        let tail = fused && !split ? p["FOLD_PASS1_LSE"]! + substitute(p["FOLD"]!, ["NV": "N", "NS": "NS", "VW": "D"].merging(sequenceParams) { $1 }) : ""
         let body = substitute(
             p["PASS1"]!,
             [
                 "IDS": p["METAL_IDS"]!,
                 "MASK_SETUP": mask.isArray ? p["MASK_SETUP"]! : "",
-                "FUSED_SETUP": fused ? p["FUSED_SETUP"]! : "",
+                "FUSED_SETUP": fused ? substitute(p["FUSED_SETUP"]!, sequenceParams) : "",
                 "FUSED_KPOS": fused ? String(repeating: " ", count: 10) + p["FUSED_KPOS"]! : "",
                 "MASK_APPLY": maskApply(mask, fused: fused),
                 "SINK_INIT": sinks && !split ? p["SINK_INIT_PASS1"]! : "",
@@ -69,7 +74,7 @@ public enum MetalKernels {
                 "FUSED_ROWS": "  constexpr bool FUSED_ROWS = \(fused ? "true" : "false");",
                 "SINK_MAX": sinks ? p["SINK_MAX_PASS2"]! : "",
                 "SINK_SUM": sinks ? p["SINK_SUM_PASS2"]! : "",
-                "TAIL": fused ? substitute(p["FOLD"]!, ["NV": "prm_i[5]", "NS": "logits_shape[3]", "VW": "D"]) : "",
+                "TAIL": fused ? substitute(p["FOLD"]!, ["NV": "prm_i[5]", "NS": "logits_shape[3]", "VW": "D"].merging(sequenceParams) { $1 }) : "",
             ])
         return variant("h2o_attn2_\(bit(sinks))\(bit(fused))", inputs, outputs, p["METAL_HEADER"]!, body)
     }

@@ -1,0 +1,106 @@
+"""The decode step of rows at different fill levels (BatchH2OKVCache).
+
+Each row's token is already in its slot (``target``); the step writes its
+metadata, attends, folds and picks each row's next slot: its victim where
+the row is full, else its lowest empty slot. On a GPU that is the fused
+step's kernels over per-row parameters (``kernels.h2o_rows_step``'s plan:
+one or two launches a layer); elsewhere, and for what those kernels do not
+take (a mask the model passed, a token's score from its keys, score modes
+the kernels do not fold), ``ops_step.rows_step`` in one ``mx.compile`` call.
+"""
+
+from functools import lru_cache
+from typing import NamedTuple, Optional, Tuple
+
+import mlx.core as mx
+
+from ...config import H2OConfig
+from ...kernels import H2OStep, h2o_step_supported, make_plan, runs_on_gpu
+from ...kernels.h2o_step import row_params
+from ...scores import score_mode
+from .. import first_use
+from ..ops_step import compiled_rows_step, rows_step, written_input
+
+# Kernel family of the Metal first-use check (cache/first_use.py).
+ROWS_STEP = "fused step over rows"
+
+
+class RowsDecode(NamedTuple):
+    """One decode step of a batch, as the cache's update leaves it."""
+
+    target: mx.array  # (B, Hk, 1) int32: the slot each row's token went to
+    qpos: mx.array  # (B, 1, 1) int32: each row's token position, EMPTY without one
+    rank_at: mx.array  # (B, 1, 1) int32: tokens seen + 1 (the next victim's rank)
+    full: mx.array  # (B, 1, 1) bool: the row's next token takes its victim's slot
+    written: object  # the token's score (policy.written_score): 0.0 or an array
+    seen: Tuple[int, ...]  # host copies: tokens seen per row, this step's included
+    has: Tuple[bool, ...]  # rows with a token this step
+    full_rows: Tuple[bool, ...]
+
+
+@lru_cache(maxsize=256)
+def _params(seen, has, full, tail, valid) -> mx.array:
+    """The rows kernels' (B, 8) int32 parameters, made once per step and
+    shared by every layer with the same window."""
+    return mx.array(row_params(seen, has, full, tail, valid), mx.int32).reshape(len(seen), 8)
+
+
+class RowsStep:
+    """A batch cache's decode step: the fused kernels where they run, else
+    the compiled ops step (the same decisions)."""
+
+    def __init__(self, config: H2OConfig, window_size: Optional[int]):
+        self.config, self.window_size = config, window_size
+        self.kernel_mode = score_mode(config.score).kernel
+        self.plan = self.plan_key = None
+
+    def __call__(self, cache, queries, keys, values, scale, mask, sinks, step: RowsDecode):
+        """(out, positions, score, count, next target (B, Hk, 1) int32)."""
+        meta = (cache.positions, cache.score, cache.count)
+        plan = self.fused_plan(queries, keys, meta[0], scale, mask, sinks, step)
+        if plan is not None:
+            return self.fused(plan, queries, keys, values, meta, scale, sinks, step)
+        args = (queries, keys, values, *meta, step.target, step.qpos, step.rank_at, step.full)
+        if mask is None and sinks is None:
+            fn = compiled_rows_step(self.config, float(scale), self.window_size)
+            return fn(*args, written_input(step.written))
+        return rows_step(self.config, scale, *args, step.written, self.window_size,
+                         mask=mask, sinks=sinks)
+
+    def fused_plan(self, queries, keys, positions, scale, mask, sinks, step):
+        """The kernels' StepPlan for this call, or None (the ops step)."""
+        if (mask is not None or not self.kernel_mode or isinstance(step.written, mx.array)
+                or step.written != 0.0 or not runs_on_gpu() or not first_use.passed(ROWS_STEP)):
+            return None
+        key = (mx.default_device(), queries.shape, queries.dtype, keys.dtype, keys.shape,
+               scale, None if sinks is None else sinks.shape)
+        if key != self.plan_key:
+            ok = h2o_step_supported(queries, keys, keys, positions, None, sinks)
+            cfg = self.config
+            self.plan = make_plan(
+                queries, keys, positions, None, sinks, mode=cfg.score, alpha=cfg.ema_alpha,
+                scale=scale, sink_size=cfg.sink_size, recent_budget=cfg.recent_budget,
+                pinned=cfg.pinned, window_size=self.window_size, rows=True) if ok else None
+            self.plan_key = key
+        return self.plan
+
+    def fused(self, plan, queries, keys, values, meta, scale, sinks, step):
+        prm = _params(step.seen, step.has, step.full_rows, tuple(plan.tail), keys.shape[2])
+
+        def launch():
+            return plan.run(queries, keys, values, *meta, step.target, prm, sinks=sinks)
+
+        if not first_use.needs_check(ROWS_STEP):
+            res = launch()
+        else:  # Metal's first: against the ops step
+            res = first_use.checked(
+                ROWS_STEP, launch, lambda: self.reference(queries, keys, values, meta, scale,
+                                                          sinks, step),
+                lambda got, want: first_use.step_differs(self.config.score, got, want))
+        return res.out, res.positions, res.score, res.count, res.victim
+
+    def reference(self, queries, keys, values, meta, scale, sinks, step) -> H2OStep:
+        out, p, s, c, nxt = rows_step(self.config, scale, queries, keys, values, *meta,
+                                      step.target, step.qpos, step.rank_at, step.full,
+                                      step.written, self.window_size, sinks=sinks)
+        return H2OStep(out, p, s, c, nxt, None, None)
