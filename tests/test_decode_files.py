@@ -19,6 +19,7 @@ import mlx_h2o
 from mlx_h2o import H2OConfig, make_h2o_cache
 from mlx_h2o.cache.decode.grouped import GroupedStep
 from mlx_h2o.cache.group import make_groups
+from mlx_h2o.kernels import runs_on_gpu
 from tiny_models import tiny_llama
 
 MAX_FILES = 8
@@ -72,7 +73,10 @@ def test_an_evicting_decode_step_crosses_few_files(face):
         assert len(own) <= MAX_FILES - 1, own
         return
     assert 0 < len(files) <= MAX_FILES, files
-    if face == "single" and cache[0].decode.find(GroupedStep) is not None:
+    if face == "batched":  # the fused kernels on a GPU, else the compiled ops step
+        assert "cache/decode/rows.py" in files, files
+        assert ("kernels/h2o_step.py" if runs_on_gpu() else "cache/ops_step.py") in files, files
+    elif face == "single" and cache[0].decode.find(GroupedStep) is not None:
         assert "kernels/group_fold.py" in files, files
     else:
         assert "cache/ops_step.py" in files or "cache/decode/fused.py" in files, files

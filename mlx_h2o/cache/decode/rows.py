@@ -53,6 +53,7 @@ class RowsStep:
         self.config, self.window_size = config, window_size
         self.kernel_mode = score_mode(config.score).kernel
         self.plan = self.plan_key = None
+        self.unchecked = False  # the plan's first launch awaits its Metal check
 
     def __call__(self, cache, queries, keys, values, scale, mask, sinks, step: RowsDecode):
         """(out, positions, score, count, next target (B, Hk, 1) int32)."""
@@ -68,21 +69,28 @@ class RowsStep:
                          mask=mask, sinks=sinks)
 
     def fused_plan(self, queries, keys, positions, scale, mask, sinks, step):
-        """The kernels' StepPlan for this call, or None (the ops step)."""
+        """The kernels' StepPlan for this call, or None (the ops step).
+        Whether they run is decided once per signature (device and shapes):
+        decode is host bound on a GPU."""
         if (mask is not None or not self.kernel_mode or isinstance(step.written, mx.array)
-                or step.written != 0.0 or not runs_on_gpu() or not first_use.passed(ROWS_STEP)):
+                or step.written != 0.0):
             return None
         key = (mx.default_device(), queries.shape, queries.dtype, keys.dtype, keys.shape,
                scale, None if sinks is None else sinks.shape)
         if key != self.plan_key:
-            ok = h2o_step_supported(queries, keys, keys, positions, None, sinks)
-            cfg = self.config
-            self.plan = make_plan(
-                queries, keys, positions, None, sinks, mode=cfg.score, alpha=cfg.ema_alpha,
-                scale=scale, sink_size=cfg.sink_size, recent_budget=cfg.recent_budget,
-                pinned=cfg.pinned, window_size=self.window_size, rows=True) if ok else None
-            self.plan_key = key
+            self.plan, self.plan_key = self.make_plan(queries, keys, positions, scale, sinks), key
+            self.unchecked = first_use.needs_check(ROWS_STEP)
         return self.plan
+
+    def make_plan(self, queries, keys, positions, scale, sinks):
+        if not (runs_on_gpu() and first_use.passed(ROWS_STEP)
+                and h2o_step_supported(queries, keys, keys, positions, None, sinks)):
+            return None
+        cfg = self.config
+        return make_plan(
+            queries, keys, positions, None, sinks, mode=cfg.score, alpha=cfg.ema_alpha,
+            scale=scale, sink_size=cfg.sink_size, recent_budget=cfg.recent_budget,
+            pinned=cfg.pinned, window_size=self.window_size, rows=True)
 
     def fused(self, plan, queries, keys, values, meta, scale, sinks, step):
         prm = _params(step.seen, step.has, step.full_rows, tuple(plan.tail), keys.shape[2])
@@ -90,13 +98,16 @@ class RowsStep:
         def launch():
             return plan.run(queries, keys, values, *meta, step.target, prm, sinks=sinks)
 
-        if not first_use.needs_check(ROWS_STEP):
+        if not self.unchecked:
             res = launch()
         else:  # Metal's first: against the ops step
+            self.unchecked, self.plan_key = False, None  # decided again, the check's outcome known
             res = first_use.checked(
                 ROWS_STEP, launch, lambda: self.reference(queries, keys, values, meta, scale,
                                                           sinks, step),
-                lambda got, want: first_use.step_differs(self.config.score, got, want))
+                lambda got, want: first_use.step_differs(
+                    self.config.score, *(x._replace(victim=x.victim[..., None])
+                                         for x in (got, want))))
         return res.out, res.positions, res.score, res.count, res.victim
 
     def reference(self, queries, keys, values, meta, scale, sinks, step) -> H2OStep:
