@@ -62,8 +62,9 @@ def _mask_apply(mask: str, fused: bool, rows: bool = False) -> str:
     return "\n".join(" " * 14 + line for line in lines)
 
 
-def pass1_names(mask: str, sinks: bool, split: bool, fused: bool):
-    """Input and output names of pass 1 for these flags."""
+def pass1_names(mask: str, sinks: bool, split: bool, fused: bool, rows: bool = False):
+    """Input and output names of pass 1 for these flags (``rows`` names the
+    same buffers: its parameters are a longer ``prm_i``)."""
     inputs = ["q", "k", "v", "prm_f"]
     inputs += ["mask"] if mask in ("bool", "add") else []
     inputs += ["sinks"] if (sinks and not split) else []  # pass 2 adds them
@@ -143,7 +144,7 @@ def pass1mma_source(backend: str, mask: str):
     return header + source_mma.MMA_HEADER, body
 
 
-def pass2_names(sinks: bool, fused: bool):
+def pass2_names(sinks: bool, fused: bool, rows: bool = False):
     inputs = ["part_o", "part_ml"] + (["sinks"] if sinks else [])
     outputs = ["out", "lse"]
     if fused:
