@@ -80,6 +80,22 @@ def test_rows_keep_and_score_what_single_caches_do(arch, name, kind):
         assert_same_scores(scores_by_position(rows), scores_by_position(single))
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_batch_of_one_keeps_and_scores_what_a_single_cache_does(name, kind):
+    """B = 1: a batch cache of one sequence (overflowing chunks, then decode
+    steps that evict) keeps and scores what the single cache keeps."""
+    config, model = CONFIGS[name], BUILDERS["llama"]()
+    prompt, decode = random_prompts((29,), seed=31)[0], random_prompts((9,), seed=32)[0]
+    batch = batch_prefill(model, config, [prompt], 9)
+    batch_decode(model, batch, [decode])
+    check_invariants(batch)
+    single = single_run(model, config, prompt, 9, decode, kind)
+    rows = [c.extract(0) for c in batch]
+    assert held(rows) == held(single)
+    assert_same_scores(scores_by_position(rows), scores_by_position(single))
+
+
 def test_rows_joining_and_leaving_keep_their_tokens_while_decoding():
     """A batch that loses a row and gains one between decode steps: every
     remaining row goes on as a single cache would."""

@@ -233,11 +233,14 @@ def batch_on_metal(metal, monkeypatch):
 @needs_clang
 @pytest.mark.parametrize("name", ["window", "ema"])
 def test_metal_batch_rows_keep_what_single_caches_do(batch_on_metal, name):
-    """Rows of different fill levels decoding on the Metal rows kernels keep
-    and score exactly what single caches (CPU ops) fed each row keep."""
+    """Rows of different fill levels, and a batch of one, decoding on the
+    Metal rows kernels keep and score exactly what single caches (CPU ops)
+    fed each row keep."""
     test_batch_steps.test_rows_keep_and_score_what_single_caches_do(
         "llama", name, "compiled")
     assert len(batch_on_metal) >= 9 * 2  # every decode step of both layers
+    test_batch_steps.test_a_batch_of_one_keeps_and_scores_what_a_single_cache_does(
+        name, "compiled")
 
 
 @needs_clang
