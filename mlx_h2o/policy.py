@@ -159,6 +159,14 @@ def written_score(mode: str, keys: mx.array):
     return -mx.sqrt((k * k).sum(axis=-1))
 
 
+def grown_size(config, need: int) -> int:
+    """Slots a cache holds to take ``need`` tokens: growth in steps of
+    ``config.step`` up to ``max_size``; a prompt chunk past the budget gets
+    exact room (compacted after its attention)."""
+    step, top = config.step, config.max_size
+    return min(-(-need // step) * step, top) if need <= top else need
+
+
 def scored_by_window(config, chunk: int, over: bool, window_size) -> bool:
     """Whether a prompt chunk of ``chunk`` tokens that leaves the cache over
     its budget (``over``) is scored by its last ``prefill_window`` queries

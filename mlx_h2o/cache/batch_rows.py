@@ -88,8 +88,7 @@ class BatchRows:
         cap = 0 if self.keys is None else self.keys.shape[2]
         if need <= cap:
             return
-        step, top = self.config.step, self.config.max_size
-        size = min(-(-need // step) * step, top) if need <= top else need
+        size = policy.grown_size(self.config, need)
         B, Hk = keys.shape[:2]
         grow = (B, Hk, size - self._n)
         fresh = (mx.zeros((*grow, keys.shape[3]), keys.dtype),

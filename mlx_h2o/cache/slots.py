@@ -113,9 +113,7 @@ class SlotCache:
             self._write_slot_meta(self.written_slot)
 
     def _grow(self, need, keys, values):
-        step, cap, n = self.config.step, self.max_size, self.slots_used
-        # Grow in steps up to max_size; a chunk past the budget gets exact room.
-        size = min(-(-need // step) * step, cap) if need <= cap else need
+        n, size = self.slots_used, policy.grown_size(self.config, need)
         self.lingering = False
         self.kv.resize(n, size, keys, values)
         shape = (*keys.shape[:2], size)
