@@ -8,7 +8,7 @@ slots a sliding-window layer can no longer see, else the eviction score. Ties
 in score evict the older position first.
 """
 
-from typing import Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -175,6 +175,36 @@ def scored_by_window(config, chunk: int, over: bool, window_size) -> bool:
     applies. The single and the batch caches score such a chunk alike."""
     W = config.prefill_window
     return over and chunk > W > 1 and window_size is None
+
+
+class ChunkFold(NamedTuple):
+    """How one sequence's prompt chunk is scored and folded (``chunk_fold``)."""
+
+    over: bool  # the chunk leaves the cache over its budget
+    scored: int  # its queries whose attention is folded: the last ones
+    expected: bool  # scored by expected attention (scores.ScoreMode.prefill)
+    weight: int  # what one folded row stands for (an expected row: the window)
+    pool: int  # neighbours its scores are max-pooled over (0: none)
+    replace: bool  # its window replaces the held scores (``window_replaces``)
+    compact: bool  # compacted to max_size after its attention ("chunk" mode)
+
+
+def chunk_fold(config, chunk: int, before: int, window_size=None) -> ChunkFold:
+    """The decisions of a prompt chunk of ``chunk`` tokens arriving while
+    ``before`` are held, one sequence's (a row's in a batch): a chunk that
+    overflows the budget is scored by its last ``prefill_window`` queries
+    (or their expected attention), pooled where more than one query row
+    stands behind its scores, and compacted after it under "chunk"."""
+    over = chunk > 1 and before + chunk > config.max_size
+    W = config.prefill_window
+    scored = W if over and 0 < W < chunk else chunk
+    expected = (scored_by_window(config, chunk, over, window_size)
+                and score_mode(config.score).prefill == "expected")
+    weight = W if expected else 1
+    pool = config.prefill_pool if over and scored * weight > 1 else 0
+    return ChunkFold(over, scored, expected, weight, pool,
+                     over and window_replaces(config, chunk, before),
+                     over and config.prefill_compact == "chunk")
 
 
 def window_replaces(config, chunk: int, before: int) -> bool:

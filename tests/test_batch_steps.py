@@ -33,6 +33,9 @@ CONFIGS = {
                           prefill_window=4),
     "expected": H2OConfig(max_size=12, sink_size=2, heavy_budget=6,
                           score="expected_attention", prefill_window=4),
+    # One query scores an overflowing chunk: nothing to pool (policy.chunk_fold).
+    "window1": H2OConfig(max_size=12, sink_size=2, heavy_budget=6, prefill_window=1,
+                         prefill_pool=3),
 }
 
 

@@ -135,3 +135,28 @@ def test_keep_then_evict_splits_as_select_keep(seed):
             rank = [(score[b, h, s], pos[b, h, s]) for s in order[b, h]]
             assert rank[:k] == sorted(rank[:k], reverse=True)
             assert rank[k:] == sorted(rank[k:]) and rank[k] < rank[k - 1]
+
+
+def test_chunk_fold_decides_a_chunks_scoring_once():
+    """policy.chunk_fold, the one place both caches read a prompt chunk's
+    decisions from: a chunk that fits is scored by every query and neither
+    pooled nor compacted; one that overflows is scored by its window,
+    pooled only when more than one query row stands behind its scores, and
+    compacted under "chunk" alone."""
+    cfg = H2OConfig(max_size=64, prefill_window=8, prefill_pool=5)
+    fits = policy.chunk_fold(cfg, 40, 20)
+    assert (fits.over, fits.scored, fits.pool, fits.replace, fits.compact) == (
+        False, 40, 0, False, False)
+    first = policy.chunk_fold(cfg, 40, 30)  # overflows while below the budget
+    assert (first.over, first.scored, first.pool, first.replace, first.compact) == (
+        True, 8, 5, False, True)
+    later = policy.chunk_fold(cfg, 40, 64)  # the budget was full: its window decides
+    assert later.replace and later.scored == 8
+    one = policy.chunk_fold(H2OConfig(max_size=64, prefill_window=1, prefill_pool=5), 40, 30)
+    assert (one.scored, one.pool) == (1, 0)
+    prompt = policy.chunk_fold(H2OConfig(max_size=64, prefill_compact="prompt"), 40, 30)
+    assert prompt.over and not prompt.compact
+    ea = H2OConfig(max_size=64, prefill_window=8, score="expected_attention")
+    assert policy.chunk_fold(ea, 40, 30).expected and policy.chunk_fold(ea, 40, 30).weight == 8
+    assert not policy.chunk_fold(ea, 40, 30, window_size=16).expected  # sliding layer
+    assert policy.chunk_fold(cfg, 1, 64).over is False  # a decode token is no chunk

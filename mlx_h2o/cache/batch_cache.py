@@ -42,7 +42,7 @@ class _Call(NamedTuple):
 
     qpos: mx.array  # (B, L) query positions, EMPTY for padding
     select: mx.array  # (B, L) queries each row folds; (B, W) of ``columns`` if given
-    pooled: Optional[mx.array] = None  # (B,) rows whose chunk overflowed (pooled scores)
+    pooled: Optional[mx.array] = None  # (B,) rows whose scores are pooled (policy.chunk_fold)
     compact: Tuple[int, ...] = ()  # rows to compact to max_size after the fold
     # (B,) rows scored by expected attention, (B, W) their window's queries
     expected: Optional[Tuple[mx.array, mx.array]] = None
@@ -317,18 +317,17 @@ class BatchH2OKVCache(BatchRows):
         self._append(keys, values, mx.array(qpos))
         self.kept = [k + c for k, (_, c) in zip(self.kept, spans)]
         self.seen = [s + c for s, (_, c) in zip(self.seen, spans)]
-        over = [c > 1 and k > cfg.max_size for (_, c), k in zip(spans, self.kept)]
-        replace = [o and policy.window_replaces(cfg, c, k - c)
-                   for o, (_, c), k in zip(over, spans, self.kept)]
-        if any(replace):  # a later chunk on a full row: its window alone decides
-            rows = mx.array(replace)[:, None, None]
+        plans = [policy.chunk_fold(cfg, c, k - c, self.window_size)
+                 for (_, c), k in zip(spans, self.kept)]
+        if any(p.replace for p in plans):  # a later chunk on a full row: its window decides
+            rows = mx.array([p.replace for p in plans])[:, None, None]
             self.score = mx.where(rows, 0.0, self.score)
             self.count = mx.where(rows, 0.0, self.count)
-        select, columns = bs.selection(cfg.prefill_window, spans, over, L)
-        compact = tuple(b for b, o in enumerate(over) if o and cfg.prefill_compact == "chunk")
-        self._call = _Call(mx.array(qpos), select, mx.array(over) if any(over) else None,
-                           compact, bs.expected_rows(cfg, self.window_size, spans, over),
-                           columns)
+        select, columns = bs.selection(cfg.prefill_window, spans, [p.over for p in plans], L)
+        pooled = [p.pool > 0 for p in plans]
+        self._call = _Call(mx.array(qpos), select, mx.array(pooled) if any(pooled) else None,
+                           tuple(b for b, p in enumerate(plans) if p.compact),
+                           bs.expected_rows(cfg, spans, plans), columns)
 
     # --- merging single caches --------------------------------------------------------
     @classmethod

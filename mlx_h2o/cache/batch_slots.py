@@ -17,7 +17,6 @@ import numpy as np
 
 from .. import policy
 from ..config import H2OConfig
-from ..scores import score_mode
 
 EMPTY = policy.EMPTY
 
@@ -61,12 +60,12 @@ def fold_rows(config: H2OConfig, score, count, step, seen, positions,
     queries each row folds: its own tokens; a chunk that overflows the
     budget, the last ``prefill_window`` of them) into the scores, row by row.
 
-    ``pooled`` (B,) bool: rows whose chunk overflowed, max-pooled over
-    ``prefill_pool`` neighbours (policy.fold_columns, as H2OKVCache folds
-    them). ``expected``: (rows (B,) bool, logits (B, n_heads, 1, N), lse)
-    for an expected-attention mode: those rows fold that row, weighted by
-    ``prefill_window``, in place of their window (pooled too). Empty slots
-    keep zero scores."""
+    ``pooled`` (B,) bool: rows whose scores are max-pooled over
+    ``prefill_pool`` neighbours (``policy.chunk_fold``'s pool, as H2OKVCache
+    folds them). ``expected``: (rows (B,) bool, logits (B, n_heads, 1, N),
+    lse) for an expected-attention mode: those rows fold that row, weighted
+    by ``prefill_window``, in place of their window (pooled too: one row
+    stands for W > 1 queries). Empty slots keep zero scores."""
     args = (config.score, score, count, step, seen, config.ema_alpha)
     s, c = policy.fold_columns(*args)
     if pooled is not None:
@@ -168,12 +167,11 @@ def window_columns(W: int, spans) -> np.ndarray:
     return (ends[:, None] - W + np.arange(W)).astype(np.int32)
 
 
-def expected_rows(config: H2OConfig, window_size, spans, over):
+def expected_rows(config: H2OConfig, spans, plans):
     """(rows, window) for an expected-attention mode: rows (B,) whose chunk
-    is scored by its window (``policy.scored_by_window``), window (B, W)
-    their last W queries (other rows: any); None for other modes."""
-    rows = [policy.scored_by_window(config, c, o, window_size)
-            for o, (_, c) in zip(over, spans)]
-    if score_mode(config.score).prefill != "expected" or not any(rows):
+    is scored by its window's expected attention (``policy.chunk_fold``),
+    window (B, W) their last W queries (other rows: any); None if none."""
+    rows = [p.expected for p in plans]
+    if not any(rows):
         return None
     return mx.array(rows), mx.array(window_columns(config.prefill_window, spans))

@@ -202,11 +202,11 @@ class SlotCache:
     def chunk_attention(self, queries, keys, values, scale, mask, sinks):
         """A prompt chunk's (out, step, seen): ``policy.call_columns`` of the
         queries whose scores will be folded."""
-        L, W, Hk = queries.shape[2], self.config.prefill_window, self._positions.shape[1]
-        mode = self.config.score
+        L, Hk, mode = queries.shape[2], self._positions.shape[1], self.config.score
         if self._scored_by_window(L):
             return self._window_attention(queries, keys, values, scale, mask, sinks)
-        window = W if self.slots_used > self.max_size and 0 < W < L else 0
+        plan = policy.chunk_fold(self.config, L, self.slots_used - L, self.window_size)
+        window = plan.scored if plan.scored < L else 0
         if score_mode(mode).magnitude == "abs_logit":
             out, logits, lse = self.attention(queries, keys, values, scale, mask, sinks)
             return (out, *policy.call_columns(mode, logits, lse, Hk, window))
@@ -259,23 +259,16 @@ class SlotCache:
 
         ``L``: the call's query count (the columns may stand for its window)."""
         n, cfg = self.slots_used, self.config
-        # Only a chunk that overflows the budget is scored by its window (SnapKV).
-        over = n > self.max_size
+        plan = policy.chunk_fold(cfg, L, n - L, self.window_size)
         score, count = self.score[..., :n], self.count[..., :n]
-        if over and policy.window_replaces(cfg, L, n - L):
+        if plan.replace:
             score, count = mx.zeros_like(score), mx.zeros_like(count)
-        # An expected-logit row stands for the window's prefill_window queries.
-        expected = self._scored_by_window(L) and self._expected
-        weight = cfg.prefill_window if expected else 1
-        W = cfg.prefill_window
-        rows = W if over and 0 < W < L else L  # the query rows folded
-        pool = cfg.prefill_pool if over and rows * weight > 1 else 0
         score, count = policy.fold_columns(cfg.score, score, count, step, seen, cfg.ema_alpha,
-                                           self.positions[..., :n], pool, weight)
+                                           self.positions[..., :n], plan.pool, plan.weight)
         self.score[..., :n] = score
         self.count[..., :n] = count
         self.pending = False
-        if over and cfg.prefill_compact == "chunk":
+        if plan.compact:
             self._compact()  # "prompt" waits for the first decode step
 
     # --- masks ------------------------------------------------------------------
