@@ -58,7 +58,7 @@ class RowsStep:
     def __call__(self, cache, queries, keys, values, scale, mask, sinks, step: RowsDecode):
         """(out, positions, score, count, next target (B, Hk, 1) int32)."""
         meta = (cache.positions, cache.score, cache.count)
-        plan = self.fused_plan(queries, keys, meta[0], scale, mask, sinks, step)
+        plan = self.fused_plan(queries, keys, values, meta[0], scale, mask, sinks, step)
         if plan is not None:
             return self.fused(plan, queries, keys, values, meta, scale, sinks, step)
         args = (queries, keys, values, *meta, step.target, step.qpos, step.rank_at, step.full)
@@ -68,7 +68,7 @@ class RowsStep:
         return rows_step(self.config, scale, *args, step.written, self.window_size,
                          mask=mask, sinks=sinks)
 
-    def fused_plan(self, queries, keys, positions, scale, mask, sinks, step):
+    def fused_plan(self, queries, keys, values, positions, scale, mask, sinks, step):
         """The kernels' StepPlan for this call, or None (the ops step).
         Whether they run is decided once per signature (device and shapes):
         decode is host bound on a GPU."""
@@ -76,15 +76,16 @@ class RowsStep:
                 or step.written != 0.0):
             return None
         key = (mx.default_device(), queries.shape, queries.dtype, keys.dtype, keys.shape,
-               scale, None if sinks is None else sinks.shape)
+               values.dtype, values.shape, scale, None if sinks is None else sinks.shape)
         if key != self.plan_key:
-            self.plan, self.plan_key = self.make_plan(queries, keys, positions, scale, sinks), key
+            self.plan = self.make_plan(queries, keys, values, positions, scale, sinks)
+            self.plan_key = key
             self.unchecked = first_use.needs_check(ROWS_STEP)
         return self.plan
 
-    def make_plan(self, queries, keys, positions, scale, sinks):
+    def make_plan(self, queries, keys, values, positions, scale, sinks):
         if not (runs_on_gpu() and first_use.passed(ROWS_STEP)
-                and h2o_step_supported(queries, keys, keys, positions, None, sinks)):
+                and h2o_step_supported(queries, keys, values, positions, None, sinks)):
             return None
         cfg = self.config
         return make_plan(
