@@ -238,12 +238,22 @@ def _watch(server: Server, threads, timeout, poll=2.0):
     deadline = time.monotonic() + timeout
     while (waiting := next((t for t in threads if t.is_alive()), None)) is not None:
         waiting.join(poll)
-        if server.proc.poll() is not None:
-            raise LoadFailed("died", f"exited ({server.proc.returncode}): {server.error()}")
-        if server.healthy() is False:
-            raise LoadFailed("died", f"/health unavailable: {server.error()}")
+        _check_alive(server)
         if time.monotonic() > deadline and any(t.is_alive() for t in threads):
             raise LoadFailed("timed out", f"a request took over {timeout:.0f} s")
+
+
+def _check_alive(server: Server, wait: float = 0.0):
+    """LoadFailed("died") if the server process ended (waiting up to ``wait``
+    seconds for it) or its /health fails."""
+    try:
+        server.proc.wait(wait)
+    except subprocess.TimeoutExpired:
+        pass
+    if server.proc.poll() is not None:
+        raise LoadFailed("died", f"exited ({server.proc.returncode}): {server.error()}")
+    if server.healthy() is False:
+        raise LoadFailed("died", f"/health unavailable: {server.error()}")
 
 
 def run_load(server: Server, prompts, max_tokens, bias, timeout):
@@ -267,6 +277,8 @@ def run_load(server: Server, prompts, max_tokens, bias, timeout):
         t.start()
     try:
         _watch(server, threads, timeout)
+        if errors:  # a dying server closes its connections before its process ends
+            _check_alive(server, wait=5.0)
     except LoadFailed:
         server.stop()
         for t in threads:
