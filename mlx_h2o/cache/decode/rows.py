@@ -55,6 +55,11 @@ class RowsStep:
         self.plan = self.plan_key = None
         self.unchecked = False  # the plan's first launch awaits its Metal check
 
+    def __deepcopy__(self, memo):
+        # Plans are made per device and shape: a copy (mlx-lm copies a
+        # prompt batch when it splits one) makes its own.
+        return RowsStep(self.config, self.window_size)
+
     def __call__(self, cache, queries, keys, values, scale, mask, sinks, step: RowsDecode):
         """(out, positions, score, count, next target (B, Hk, 1) int32)."""
         meta = (cache.positions, cache.score, cache.count)
