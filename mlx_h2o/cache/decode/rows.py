@@ -35,7 +35,7 @@ class RowsDecode(NamedTuple):
     written: object  # the token's score (policy.written_score): 0.0 or an array
     seen: Tuple[int, ...]  # host copies: tokens seen per row, this step's included
     has: Tuple[bool, ...]  # rows with a token this step
-    full_rows: Tuple[bool, ...]
+    full_rows: Tuple[bool, ...]  # ``full`` on the host
 
 
 @lru_cache(maxsize=256)
