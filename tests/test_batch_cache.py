@@ -299,3 +299,26 @@ def test_merge_refuses_what_it_cannot_batch():
         BatchH2OKVCache.merge([dense[0], other[0]])
     with pytest.raises(ValueError, match="evict_batch"):
         BatchH2OKVCache(H2OConfig(max_size=32, evict_batch=4), 2)
+
+
+def test_shared_row_arrays_serve_any_thread():
+    """The per-row arrays every layer shares are cached across calls; a
+    server's generation thread may read one another thread made (a lazy
+    array is bound to the stream of the thread that made it)."""
+    import threading
+
+    from mlx_h2o.cache.batch_rows import row_ints
+
+    made = row_ints((7, 9, 11), 3)  # made here, not evaluated here
+    errors = []
+
+    def read():
+        try:
+            mx.eval(made + 1)
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    worker = threading.Thread(target=read)
+    worker.start()
+    worker.join(30)
+    assert errors == []

@@ -20,8 +20,12 @@ from . import batch_slots as bs
 def row_ints(values: tuple, ndim: int = 1, dtype=mx.int32) -> mx.array:
     """One value per row as a (B,) array, or (B, 1[, 1]) for ``ndim`` 2 or
     3; made once per value and shared by every layer's cache (each decode
-    step of a batch needs the same ones in every layer)."""
-    return mx.array(values, dtype).reshape((len(values),) + (1,) * (ndim - 1))
+    step of a batch needs the same ones in every layer). Evaluated here: a
+    lazy array is bound to its thread's stream, and a server's generation
+    thread may read one that another thread made."""
+    out = mx.array(values, dtype).reshape((len(values),) + (1,) * (ndim - 1))
+    mx.eval(out)
+    return out
 
 
 class BatchRows:

@@ -41,7 +41,9 @@ def _pins(pinned: Tuple[Tuple[int, int], ...]) -> mx.array:
 
 @lru_cache(maxsize=1)
 def _no_slot() -> mx.array:
-    return mx.zeros((1, 1), dtype=mx.int32)
+    out = mx.zeros((1, 1), dtype=mx.int32)
+    mx.eval(out)  # cached: not a lazy op of the thread that made it first
+    return out
 
 
 # Flags of a row's parameters (source.FUSED_SETUP): no token this step, its

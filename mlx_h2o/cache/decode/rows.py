@@ -41,8 +41,10 @@ class RowsDecode(NamedTuple):
 @lru_cache(maxsize=256)
 def _params(seen, has, full, tail, valid) -> mx.array:
     """The rows kernels' (B, 8) int32 parameters, made once per step and
-    shared by every layer with the same window."""
-    return mx.array(row_params(seen, has, full, tail, valid), mx.int32).reshape(len(seen), 8)
+    shared by every layer with the same window (evaluated: see row_ints)."""
+    out = mx.array(row_params(seen, has, full, tail, valid), mx.int32).reshape(len(seen), 8)
+    mx.eval(out)
+    return out
 
 
 class RowsStep:
