@@ -507,16 +507,14 @@ def test_a_wrong_rows_step_is_caught_at_first_use(first_use, batch_on_metal, mon
     """Rows kernels told that no row is full (every next slot an empty one)
     fail the check: a warning, and the batch stays on the ops step, so its
     rows still keep what single caches keep."""
-    from mlx_h2o.cache.decode import rows
-
-    real = rows.row_params
-    monkeypatch.setattr(rows, "row_params", lambda seen, has, full, *a: real(
+    real = h2o_step.row_params
+    monkeypatch.setattr(h2o_step, "row_params", lambda seen, has, full, *a: real(
         seen, has, [False] * len(full), *a))
-    rows._params.cache_clear()
+    h2o_step.row_params_array.cache_clear()
     with pytest.warns(RuntimeWarning, match="fused step over rows failed its first-use check"):
         test_batch_steps.test_rows_keep_and_score_what_single_caches_do(
             "llama", "window", "compiled")
-    rows._params.cache_clear()
+    h2o_step.row_params_array.cache_clear()
     assert first_use["fused step over rows"] is False
 
 

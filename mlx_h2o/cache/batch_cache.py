@@ -32,7 +32,7 @@ from ..config import H2OConfig, check_window_size, config_from_dict, config_to_d
 from ..kernels import attention_with_column_sums, scaled_dot_product_attention_with_scores
 from ..scores import score_mode
 from . import batch_slots as bs
-from .batch_rows import BatchRows, row_ints
+from .batch_rows import BatchRows
 from .decode.rows import RowsDecode, RowsStep
 from .h2o import H2OKVCache
 
@@ -40,7 +40,7 @@ from .h2o import H2OKVCache
 class _Call(NamedTuple):
     """What an update tells the attention call that follows it."""
 
-    qpos: mx.array  # (B, L) query positions, EMPTY for padding
+    qpos: Optional[mx.array]  # (B, L) query positions, EMPTY for padding; None: decode
     select: mx.array  # (B, L) queries each row folds; (B, W) of ``columns`` if given
     pooled: Optional[mx.array] = None  # (B,) rows whose scores are pooled (policy.chunk_fold)
     compact: Tuple[int, ...] = ()  # rows to compact to max_size after the fold
@@ -275,15 +275,11 @@ class BatchH2OKVCache(BatchRows):
             self._n = self.keys.shape[2]
         target = self._target if self._target is not None else self._targets(full)
         self._put(target, keys, values, has)
-        qpos = tuple(s if h else policy.EMPTY for s, h in zip(self.seen, has))
         self.kept = [k + (h and not f) for k, h, f in zip(self.kept, has, full)]
         self.seen = [s + h for s, h in zip(self.seen, has)]
-        full_next = tuple(k >= cfg.max_size for k in self.kept)
-        seen = tuple(self.seen)
-        step = RowsDecode(target, row_ints(qpos, 3), row_ints(tuple(s + 1 for s in seen), 3),
-                          row_ints(full_next, 3, mx.bool_), self._written_score(keys),
-                          seen, tuple(has), full_next)
-        self._call = _Call(row_ints(qpos, 2), None, step=step)
+        step = RowsDecode(target, self._written_score(keys), tuple(self.seen), tuple(has),
+                          tuple(k >= cfg.max_size for k in self.kept))
+        self._call = _Call(None, None, step=step)
 
     def _written_score(self, keys):
         """policy.written_score of a decode token's keys (0.0 but for key-norm)."""

@@ -248,11 +248,10 @@ class SlotCache:
         window's queries lead to expect (scores.ScoreMode.prefill)."""
         return score_mode(self.config.score).prefill == "expected"
 
-    def fold_ops(self, logits, lse, L):
+    def fold_ops(self, logits, lse):
         """Fold a decode step's scores op by op (``fold_columns`` for a chunk)."""
-        window = self.config.prefill_window if self.slots_used > self.max_size else 0
         Hk = self._positions.shape[1]
-        self.fold_columns(*policy.call_columns(self.config.score, logits, lse, Hk, window), L)
+        self.fold_columns(*policy.call_columns(self.config.score, logits, lse, Hk), 1)
 
     def fold_columns(self, step, seen, L):
         """Fold a call's (step, seen), then compact a chunk that overflowed.

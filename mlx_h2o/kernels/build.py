@@ -78,7 +78,7 @@ def pass1_names(mask: str, sinks: bool, split: bool, fused: bool, rows: bool = F
     return inputs, outputs
 
 
-def row_params(rows: bool, block_row: str) -> dict:
+def param_markers(rows: bool, block_row: str) -> dict:
     """The fused step's $PRM / $FLAGS: the launch's prm_i, or (``rows``: rows
     at different fill levels) the 8 of the row that ``block_row`` names."""
     if not rows:
@@ -89,7 +89,7 @@ def row_params(rows: bool, block_row: str) -> dict:
 
 def fold_text(nv: str, ns: str, vw: str, rows: bool = False) -> str:
     """FOLD for one (sequence or row, KV head) block: blk_x = b * HK + hk."""
-    return Template(src.FOLD).substitute(NV=nv, NS=ns, VW=vw, **row_params(rows, "blk_x / HK"))
+    return Template(src.FOLD).substitute(NV=nv, NS=ns, VW=vw, **param_markers(rows, "blk_x / HK"))
 
 
 def _victim_width(rows: bool) -> str:
@@ -111,7 +111,7 @@ def pass1_source(backend: str, mask: str, sinks: bool, split: bool, fused: bool,
     body = Template(src.PASS1).substitute(
         IDS=ids,
         MASK_SETUP=src.MASK_SETUP if mask in ("bool", "add") else "",
-        FUSED_SETUP=(Template(src.FUSED_SETUP).substitute(row_params(rows, "b")) if fused
+        FUSED_SETUP=(Template(src.FUSED_SETUP).substitute(param_markers(rows, "b")) if fused
                      else ""),
         FUSED_KPOS=(" " * 10 + src.FUSED_KPOS) if fused else "",
         MASK_APPLY=_mask_apply(mask, fused, rows),

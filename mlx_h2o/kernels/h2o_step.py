@@ -64,6 +64,19 @@ def row_params(offsets, has, full, tail, valid) -> list:
     return out
 
 
+@lru_cache(maxsize=256)
+def row_params_array(offsets: tuple, has: tuple, full: tuple, tail: tuple,
+                     valid: int) -> mx.array:
+    """``row_params`` as the (B, 8) int32 array the rows kernels read, made
+    once per step's values and shared by every layer with the same window.
+    Evaluated here: a cached lazy array is bound to the stream of the thread
+    that made it, and a server's generation thread may read it."""
+    out = mx.array(row_params(offsets, has, full, tail, valid), mx.int32).reshape(
+        len(offsets), 8)
+    mx.eval(out)
+    return out
+
+
 def params_row(offset, append_slot, tail, valid) -> list:
     """The kernels' prm_i: offset, append slot (-1: the token went to ``slot``),
     then ``tail`` = (window or 0, sink_size, recent_budget), then the valid count."""
@@ -350,8 +363,8 @@ def h2o_rows_step(
     plan = make_plan(queries, keys, positions, None, sinks, mode=mode, alpha=alpha,
                      scale=scale, sink_size=sink_size, recent_budget=recent_budget,
                      pinned=pinned, window_size=window_size, rows=True)
-    prm = mx.array(row_params(offsets, has, full, plan.tail, keys.shape[2]),
-                   mx.int32).reshape(B, 8)
+    prm = row_params_array(tuple(offsets), tuple(has), tuple(full), tuple(plan.tail),
+                           keys.shape[2])
     return plan.run(queries, keys, values, positions, score, count, target, prm,
                     sinks=sinks, num_splits=num_splits, poison=poison)
 

@@ -53,7 +53,7 @@ class ReferenceStep(DecodeStep):
         c = self.cache
         if c.meta_pending:
             c.write_pending_meta()
-        c.fold_ops(logits, lse, 1)
+        c.fold_ops(logits, lse)
         return c.with_metadata(out)
 
     def take(self, res) -> None:

@@ -9,16 +9,17 @@ take (a mask the model passed, a token's score from its keys, score modes
 the kernels do not fold), ``ops_step.rows_step`` in one ``mx.compile`` call.
 """
 
-from functools import lru_cache
 from typing import NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 
 from ...config import H2OConfig
 from ...kernels import H2OStep, h2o_step_supported, make_plan, runs_on_gpu
-from ...kernels.h2o_step import row_params
+from ...kernels.h2o_step import row_params_array
+from ...policy import EMPTY
 from ...scores import score_mode
 from .. import first_use
+from ..batch_rows import row_ints
 from ..ops_step import compiled_rows_step, rows_step, written_input
 
 # Kernel family of the Metal first-use check (cache/first_use.py).
@@ -26,25 +27,30 @@ ROWS_STEP = "fused step over rows"
 
 
 class RowsDecode(NamedTuple):
-    """One decode step of a batch, as the cache's update leaves it."""
+    """One decode step of a batch, as the cache's update leaves it: per row
+    (host values) what the kernels' parameters say (``row_params``), and the
+    (B, 1, 1) arrays the ops step reads, made from them."""
 
     target: mx.array  # (B, Hk, 1) int32: the slot each row's token went to
-    qpos: mx.array  # (B, 1, 1) int32: each row's token position, EMPTY without one
-    rank_at: mx.array  # (B, 1, 1) int32: tokens seen + 1 (the next victim's rank)
-    full: mx.array  # (B, 1, 1) bool: the row's next token takes its victim's slot
     written: object  # the token's score (policy.written_score): 0.0 or an array
-    seen: Tuple[int, ...]  # host copies: tokens seen per row, this step's included
+    seen: Tuple[int, ...]  # tokens seen per row, this step's included
     has: Tuple[bool, ...]  # rows with a token this step
-    full_rows: Tuple[bool, ...]  # ``full`` on the host
+    full: Tuple[bool, ...]  # rows whose next token takes their victim's slot
 
+    @property
+    def qpos(self) -> mx.array:
+        """Each row's token position, EMPTY without one."""
+        return row_ints(tuple(s - 1 if h else EMPTY for s, h in zip(self.seen, self.has)), 3)
 
-@lru_cache(maxsize=256)
-def _params(seen, has, full, tail, valid) -> mx.array:
-    """The rows kernels' (B, 8) int32 parameters, made once per step and
-    shared by every layer with the same window (evaluated: see row_ints)."""
-    out = mx.array(row_params(seen, has, full, tail, valid), mx.int32).reshape(len(seen), 8)
-    mx.eval(out)
-    return out
+    @property
+    def rank_at(self) -> mx.array:
+        """Tokens seen + 1: where the next victim is ranked."""
+        return row_ints(tuple(s + 1 for s in self.seen), 3)
+
+    @property
+    def full_rows(self) -> mx.array:
+        """``full`` as the ops step's (B, 1, 1) bool array."""
+        return row_ints(self.full, 3, mx.bool_)
 
 
 class RowsStep:
@@ -68,7 +74,8 @@ class RowsStep:
         plan = self.fused_plan(queries, keys, values, meta[0], scale, mask, sinks, step)
         if plan is not None:
             return self.fused(plan, queries, keys, values, meta, scale, sinks, step)
-        args = (queries, keys, values, *meta, step.target, step.qpos, step.rank_at, step.full)
+        args = (queries, keys, values, *meta, step.target, step.qpos, step.rank_at,
+                step.full_rows)
         if mask is None and sinks is None:
             fn = compiled_rows_step(self.config, float(scale), self.window_size)
             return fn(*args, written_input(step.written))
@@ -101,7 +108,7 @@ class RowsStep:
             pinned=cfg.pinned, window_size=self.window_size, rows=True)
 
     def fused(self, plan, queries, keys, values, meta, scale, sinks, step):
-        prm = _params(step.seen, step.has, step.full_rows, tuple(plan.tail), keys.shape[2])
+        prm = row_params_array(step.seen, step.has, step.full, tuple(plan.tail), keys.shape[2])
 
         def launch():
             return plan.run(queries, keys, values, *meta, step.target, prm, sinks=sinks)
@@ -120,6 +127,6 @@ class RowsStep:
 
     def reference(self, queries, keys, values, meta, scale, sinks, step) -> H2OStep:
         out, p, s, c, nxt = rows_step(self.config, scale, queries, keys, values, *meta,
-                                      step.target, step.qpos, step.rank_at, step.full,
+                                      step.target, step.qpos, step.rank_at, step.full_rows,
                                       step.written, self.window_size, sinks=sinks)
         return H2OStep(out, p, s, c, nxt, None, None)

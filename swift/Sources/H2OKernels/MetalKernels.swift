@@ -22,7 +22,7 @@ public enum MetalKernels {
 
     /// Pass 1 of the decode attention (`split`: partials for pass 2; `fused`: the
     /// H2O step's position / window handling and, without split, the fold).
-    /// The fused step's parameters of one sequence (build.py `row_params`):
+    /// The fused step's parameters of one sequence (build.py `param_markers`):
     /// the launch's `prm_i`, no per-row flags. The rows variant (batched
     /// generation) is the Python package's only.
     static let sequenceParams = ["PRM": "prm_i", "FLAGS": "0"]
