@@ -376,14 +376,18 @@ def keep_mask(pri: mx.array, positions: mx.array, k,
     return rank >= positions.shape[-1] - k
 
 
+def packed_order(positions: mx.array, k: int) -> mx.array:
+    """(B, n_kv_heads, k) slots holding each row's tokens in position order,
+    then empty ones: a gather to ``k`` slots that keeps every held token
+    when no row holds more than ``k``."""
+    big = mx.array(2**30, positions.dtype)
+    order = mx.argsort(mx.where(positions < 0, big, positions), axis=-1)
+    return order[..., :k]
+
+
 def select_keep(pri: mx.array, positions: mx.array, k: int,
                 drop: Optional[mx.array] = None) -> mx.array:
-    """(B, n_kv_heads, k) slots of the k highest keys, in position order;
-    slots where ``drop`` is True rank below every other (k must not exceed
-    the fewest slots any row keeps)."""
-    keys = order_keys(pri, positions)
-    if drop is not None:
-        keys = mx.where(drop, mx.array(LOWEST, mx.int64), keys)
-    top = mx.argsort(keys, axis=-1)[..., keys.shape[-1] - k :]
-    order = mx.argsort(mx.take_along_axis(positions, top, axis=-1), axis=-1)
-    return mx.take_along_axis(top, order, axis=-1)
+    """(B, n_kv_heads, k) slots of the k highest keys (``keep_mask``), in
+    position order (k must not exceed the fewest slots any row keeps)."""
+    keep = keep_mask(pri, positions, k, drop)
+    return packed_order(mx.where(keep, positions, EMPTY), k)

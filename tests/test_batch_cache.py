@@ -265,7 +265,7 @@ def test_state_round_trip_and_deepcopy():
     for caches in (batch, copies, loaded):
         batch_decode(model, caches, col)
     assert rows_held(copies, 2) == rows_held(batch, 2) == rows_held(loaded, 2)
-    assert copies[0].keys is not batch[0].keys and batch[0].nbytes > 0
+    assert copies[0].kv.keys is not batch[0].kv.keys and batch[0].nbytes > 0
     # After decode steps (mlx-lm copies a prompt batch when it splits one)
     later = [copy.deepcopy(c) for c in batch]
     more = random_prompts((3, 3), seed=18)

@@ -13,7 +13,7 @@ import pytest
 
 import mlx_h2o
 from mlx_h2o import H2OConfig, make_h2o_cache
-from mlx_h2o.cache import batch_slots as bs
+from mlx_h2o.cache import chunk
 from mlx_h2o.cache.batch_cache import BatchH2OKVCache
 from mlx_h2o.kernels import runs_on_gpu
 from test_batch_cache import (batch_decode, batch_prefill, check_invariants, held,
@@ -171,7 +171,7 @@ def test_fused_attention_matches_float64_with_per_head_masks(Hq, Hk, L, N, D):
     qpos[1, :2] = -1  # padding queries: their outputs are finite and unused
     mask = mx.array(pos)[:, :, None, :]
     mask = (mask >= 0) & (mask <= mx.array(qpos)[:, None, :, None])
-    out = bs.fused_attention(q, k, v, D**-0.5, mask)
+    out = chunk.fused_attention(q, k, v, D**-0.5, mask)
     want = attention_f64(q, k, v, D**-0.5, mask)
     seen = np.array(mask.any(axis=-1))  # (B, Hk, L)
     rows = np.repeat(seen, Hq // Hk, axis=1) if Hk > 1 else np.broadcast_to(seen, (B, Hq, L))

@@ -1,4 +1,4 @@
-"""The evicting steady state's fast path (SlotCache.into_victim, _write_picked_victim).
+"""The evicting steady state's fast path (H2OKVCache.into_victim, write_picked_victim).
 
 A full cache whose fused step, compiled CPU step or group fold picked the
 next victim writes its decode token there without the general path's checks.

@@ -10,7 +10,7 @@ import pytest
 
 from mlx_h2o import H2OConfig, H2OKVCache
 from mlx_h2o.cache import MixedPrecisionH2OKVCache, QuantConfig, QuantizedH2OKVCache
-from mlx_h2o.cache import slots as slots_module
+from mlx_h2o.cache import chunk as chunk_module
 from mlx_h2o.scores import SCORE_MODES, SCORES
 
 # Modes whose overflowing chunks are scored by the window's own attention
@@ -98,8 +98,8 @@ def test_only_the_window_gets_logits(monkeypatch, kind):
         return call
 
     monkeypatch.setattr(cache.kv, "column_attention", spy(cache.kv.column_attention, "storage"))
-    window = spy(slots_module.scaled_dot_product_attention_with_scores, "window")
-    monkeypatch.setattr(slots_module, "scaled_dot_product_attention_with_scores", window)
+    window = spy(chunk_module.scaled_dot_product_attention_with_scores, "window")
+    monkeypatch.setattr(chunk_module, "scaled_dot_product_attention_with_scores", window)
     feed((cache,), [10, 40], seed=5, dim=dim)
     # within budget: every row (the storage's column sums); overflowing: SDPA
     # for the output, logits for the window's rows only

@@ -11,9 +11,10 @@ from mlx_lm.models.cache import _BaseCache
 from .. import policy
 from ..config import H2OConfig, config_from_dict, config_to_dict
 from ..scores import score_mode
+from . import chunk
+from .core import SlotCore
 from .decode import DEFER_STEPS, decode_step
 from .decode.grouped import GroupedStep
-from .slots import SlotCache
 from .storage import deepcopy_attrs
 
 NO_SCORES = (
@@ -31,10 +32,12 @@ INTERRUPTED = (
 )
 
 
-class H2OKVCache(SlotCache, _BaseCache):
+class H2OKVCache(SlotCore, _BaseCache):
     """mlx-lm KV cache with H2O eviction.
 
-    Holds the slots (cache/slots.py) and honours mlx-lm's cache contract.
+    One sequence's face of the slot core (cache/core.py): mlx-lm's cache
+    contract, the counts (``offset``, ``evicted``) and the decode moves its
+    steps make.
     Chunks of L > 1 tokens are appended, attended in full, then compacted
     once to ``max_size``. A decode token (L == 1) goes through ``decode``,
     the decode step chosen when the cache is made (cache/decode/): the
@@ -50,8 +53,9 @@ class H2OKVCache(SlotCache, _BaseCache):
     def __init__(self, config: H2OConfig, window_size: Optional[int] = None,
                  decode: str = "auto"):
         super().__init__(config, window_size)
+        self.offset = 0  # tokens seen
+        self.evicted = 0  # tokens evicted per (sequence, KV head)
         self.token_bytes = 0  # dense K+V bytes of one token (all sequences, heads)
-        self.pending = False  # tokens whose attention has not run yet
         self.model_name = ""
         self.fold_phase = 0
         self.decode = None
@@ -89,6 +93,66 @@ class H2OKVCache(SlotCache, _BaseCache):
     def join_group(self, group) -> None:
         self.set_decode(*self._decode_settings, group=group)
 
+    # --- decode moves (the steps in cache/decode/ make them) -----------------------
+    def into_victim(self) -> bool:
+        """Whether this decode token goes straight into the victim the last
+        step picked ahead: the full cache's steady state (a cache past its
+        budget compacts first; after a trim or a bulk eviction none is held)."""
+        return self.next_victim is not None and self.slots_used == self.max_size
+
+    def write_into_victim(self, keys, values):
+        """The policy's victim takes this decode token: its slot (B, Hk, 1)."""
+        slot = self.victims(self.offset)
+        self.write_token(slot, keys, values, self.offset)
+        self.evicted += 1
+        return slot
+
+    def write_picked_victim(self, keys, values, for_sdpa=False):
+        """This decode token into the victim the last step picked ahead
+        (``next_victim``), its metadata left to the step's kernel or fold."""
+        victim = self.next_victim
+        self.kv.write_index(victim, keys, values, for_sdpa=for_sdpa)
+        self._note_written(keys)
+        self.written_slot, self.next_victim = victim, None
+        self.meta_pending = True
+        self.evicted += 1
+
+    def decode_into_victim(self, keys, values, for_sdpa=False):
+        """A decode token of the steady state (``into_victim``): written into
+        the picked victim, counted; returns the K/V attention reads."""
+        self.token_bytes = keys.nbytes + values.nbytes
+        self.write_picked_victim(keys, values, for_sdpa)
+        self.offset += 1
+        self.pending = 1
+        return self.kv.fetch(self.slots_used)
+
+    def write_pending_meta(self):
+        """The last decode token's position and scores, when no kernel wrote them."""
+        if self.written_slot is None:
+            self._write_append_meta(self.slots_used - 1, 1, self.offset - 1)
+            self.meta_pending = False
+        else:
+            self._write_slot_meta(self.written_slot, self.offset - 1)
+
+    def compact_past_budget(self):
+        """A prompt left past the budget (``prefill_compact="prompt"``) is
+        compacted by the first decode step."""
+        if self.slots_used > self.max_size:
+            self._compact()
+
+    def _compact(self):
+        self.evicted += self.slots_used - self.max_size
+        self.compact(self.offset)
+
+    def _windowed(self, call, L, mask, sinks) -> bool:
+        return call.window > 0 and self._scored_by_window(L)
+
+    def _scored_by_window(self, L) -> bool:
+        """A chunk that overflows is scored by its last ``prefill_window``
+        queries (``policy.scored_by_window``; dense or quantized storage)."""
+        return policy.scored_by_window(self.config, L, self.slots_used > self.max_size,
+                                       self.window_size)
+
     # --- mlx-lm cache contract -------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         if self.pending:
@@ -101,7 +165,7 @@ class H2OKVCache(SlotCache, _BaseCache):
         self.decode.sync()
         self.next_victim = self.written_slot = None
         self.token_bytes = (keys.nbytes + values.nbytes) // L
-        self.append(keys, values)
+        self.append(keys, values, self.offset)
         self.offset += L
         self.pending = L
         return self.kv.fetch(self.slots_used)
@@ -124,9 +188,13 @@ class H2OKVCache(SlotCache, _BaseCache):
         L = queries.shape[2]
         if L == 1:
             return self.decode.attend(queries, keys, values, scale, mask, sinks)
-        out, step, seen = self.chunk_attention(queries, keys, values, scale,
-                                               self.mask_for(L, mask), sinks)
-        self.fold_columns(step, seen, L)
+        call = chunk.chunk_call(self.config, ((0, L),), (self.slots_used,), L,
+                                self.window_size)
+        out, exact, expected, _ = self.chunk_attention(queries, keys, values, scale,
+                                                       self.mask_for(L, mask), sinks, call)
+        self.fold_chunk(call, exact, expected)
+        if call.plans[0].compact:  # "prompt" waits for the first decode step
+            self._compact()
         # A chunk's (L, N) logits are large: finish this layer before the next
         # builds its own, or every layer's logits stay alive at once (a 2K
         # prompt at B=5 on SmolLM2 peaked at 22 GB).
@@ -170,12 +238,9 @@ class H2OKVCache(SlotCache, _BaseCache):
         self.settle()
         cut = self.offset - n
         if self.evicted:
-            # Slots are out of token order: regather the rows' best held slots.
-            pos = self.positions[..., : self.slots_used]
-            gone = pos >= cut
-            k = self.slots_used - int(gone.sum(axis=-1).max())
-            pri = policy.sinks_first(self.priority(cut)[0], pos, self.config.sink_size)
-            self.gather(policy.select_keep(pri, pos, k, drop=gone))
+            # Slots are out of token order: keep the rows' best held slots.
+            keep, k = self.trim_keep(cut, per_row=False)
+            self.keep_only(keep, k)
         else:
             self.slots_used -= n  # slots are in token order until the first eviction
             # Freed slots get fresh scores: queued tokens refill them unzeroed.

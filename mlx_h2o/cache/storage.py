@@ -31,9 +31,10 @@ def deepcopy_attrs(obj, memo, shared: Iterable[str] = (),
     return new
 
 
-def resize_slots(old, n: int, shape, dtype):
-    """A zeroed buffer of ``shape`` holding the first n slots of ``old``."""
-    new = mx.zeros(shape, dtype)
+def resize_slots(old, n: int, shape, dtype, fill=0):
+    """A buffer of ``shape`` holding the first n slots of ``old``, ``fill``
+    in the others."""
+    new = mx.full(shape, fill, dtype) if fill else mx.zeros(shape, dtype)
     if old is not None:
         new[:, :, :n] = old[:, :, :n]
     return new
@@ -92,9 +93,19 @@ class DenseKV:
         self.keys[..., start:end, :] = keys
         self.values[..., start:end, :] = values
 
-    def write_slot(self, slot: mx.array, keys: mx.array, values: mx.array):
+    def write_slot(self, slot: mx.array, keys: mx.array, values: mx.array, rows=None):
+        """One token per row into ``slot`` (B, Hk, 1); ``rows`` (B,) bool:
+        where False (a batch row without a token) the slot keeps what it holds."""
+        if rows is not None:
+            idx, rows = slot[..., None], rows[:, None, None, None]
+            keys = mx.where(rows, keys, mx.take_along_axis(self.keys, idx, axis=2))
+            values = mx.where(rows, values, mx.take_along_axis(self.values, idx, axis=2))
         self.keys = put_slot(self.keys, slot, keys)
         self.values = put_slot(self.values, slot, values)
+
+    def take_rows(self, rows: mx.array):
+        """Keep the batch rows ``rows`` (int32 indices), in that order."""
+        self.keys, self.values = self.keys[rows], self.values[rows]
 
     def write_index(self, index: mx.array, keys: mx.array, values: mx.array,
                     for_sdpa: bool = False):

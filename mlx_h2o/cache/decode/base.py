@@ -3,7 +3,7 @@
 ``H2OKVCache.update_and_fetch`` hands every decode token to ``update``, and
 ``h2o_attention`` hands its query to ``attend``. A step owns what it holds
 between the two calls or across tokens (a score queue, a kernel plan, a
-group's stack); the cache owns the slots (cache/slots.py).
+group's stack); the cache owns the slots (cache/core.py).
 """
 
 

@@ -39,7 +39,7 @@ class ReferenceStep(DecodeStep):
         if c.slots_used >= c.max_size:
             c.written_slot = c.write_into_victim(keys, values)
         else:
-            c.append(keys, values, meta=not self.kernel_writes_meta)
+            c.append(keys, values, c.offset, meta=not self.kernel_writes_meta)
 
     def attend(self, queries, keys, values, scale, mask, sinks):
         c = self.cache

@@ -68,6 +68,12 @@ class RowsStep:
         # prompt batch when it splits one) makes its own.
         return RowsStep(self.config, self.window_size)
 
+    def sync(self) -> None:
+        """Nothing is held back: each step's metadata is the cache's."""
+
+    def forget(self) -> None:
+        """Nothing is decided ahead but the next victim, which the cache holds."""
+
     def __call__(self, cache, queries, keys, values, scale, mask, sinks, step: RowsDecode):
         """(out, positions, score, count, next target (B, Hk, 1) int32)."""
         meta = (cache.positions, cache.score, cache.count)
