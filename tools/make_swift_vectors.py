@@ -28,7 +28,7 @@ import numpy as np
 
 from mlx_h2o import policy
 from mlx_h2o.cache import H2OKVCache, QuantConfig, QuantizedH2OKVCache
-from mlx_h2o.cache.batch_slots import selected_columns
+from mlx_h2o.cache.chunk import selected_columns
 from mlx_h2o.cache.quantized_storage import QuantizedKV
 from mlx_h2o.cache.storage import DenseKV
 from mlx_h2o.config import H2OConfig, config_from_dict, config_to_dict
