@@ -144,7 +144,10 @@ class H2OKVCache(SlotCore, _BaseCache):
         self.evicted += self.slots_used - self.max_size
         self.compact(self.offset)
 
+    # --- prompt chunks ---------------------------------------------------------------
     def _windowed(self, call, L, mask, sinks) -> bool:
+        # One sequence's rule, the seam tests and the Swift vector generator
+        # override: an overflowing chunk on a global layer.
         return call.window > 0 and self._scored_by_window(L)
 
     def _scored_by_window(self, L) -> bool:
