@@ -75,12 +75,15 @@ def with_tail(head, full):
     return [mx.concatenate([h, f[..., h.shape[-1]:]], axis=-1) for h, f in zip(head, full)]
 
 
-def _fresh_slot(positions, score, count, slot, position, written=0.0):
+def _fresh_slot(positions, score, count, slot, position, written=0.0, rows=None):
     """storage.fresh_slot as selects: under mx.compile they fuse with the
     fold's elementwise ops, where three scatters and their fills stayed five
-    primitives (~4% of a CPU step at 256 slots)."""
+    primitives (~4% of a CPU step at 256 slots). ``rows`` (B, 1, 1) bool:
+    the rows that wrote a token (a batch's others keep their slots as they are)."""
     slot = slot[..., 0] if slot.ndim == 4 else slot
     hit = mx.arange(positions.shape[-1]) == slot  # (B, Hk, N)
+    if rows is not None:
+        hit = hit & rows
     return (mx.where(hit, position, positions), mx.where(hit, written, score),
             mx.where(hit, 0.0, count))
 
@@ -169,9 +172,7 @@ def rows_step(config: H2OConfig, scale: float, queries, keys, values, positions,
     mask the model passed, ``sinks`` attention sinks (uncompiled calls).
     Returns (out, positions, score, count, next target (B, Hk, 1) int32)."""
     has = qpos >= 0
-    hit = (mx.arange(positions.shape[-1]) == target) & has  # (B, Hk, N)
-    p = mx.where(hit, qpos, positions)
-    s, c = mx.where(hit, written, score), mx.where(hit, 0.0, count)
+    p, s, c = _fresh_slot(positions, score, count, target, qpos, written, has)
     own = policy.position_mask(p, qpos[:, :, 0], window_size)  # (B, Hk, 1, N)
     out, logits, lse = reference.scaled_dot_product_attention_with_scores(
         queries, keys, values, scale=scale, mask=policy.combine_masks(own, mask),
