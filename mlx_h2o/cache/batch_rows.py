@@ -1,4 +1,5 @@
-"""The rows of BatchH2OKVCache: their counts and padding.
+"""The rows of BatchH2OKVCache: their counts, padding, and rows joining
+(``merge``, ``extend``) and leaving (``filter``, ``extract``).
 
 A mixin of BatchH2OKVCache (cache/batch_cache.py); the slots are the core's
 (cache/core.py).
@@ -12,6 +13,11 @@ from functools import lru_cache
 from typing import List, Optional
 
 import mlx.core as mx
+
+from .. import policy
+from .core import EMPTY
+from .h2o import H2OKVCache
+from .storage import take_slots
 
 
 @lru_cache(maxsize=256)
@@ -82,3 +88,108 @@ class BatchRows:
         for b in rows:
             mask[b] = True
         return mx.array(mask)[:, None, None]
+
+    # --- rows joining and leaving ----------------------------------------------------
+    def filter(self, batch_indices):
+        """Keep the rows ``batch_indices`` (in that order)."""
+        idx = [int(i) for i in batch_indices]
+        if not self.empty():
+            rows = mx.array(idx, mx.int32)
+            self.kv.take_rows(rows)
+            self.set_slot_metadata(*(a[rows] for a in self.slot_metadata()))
+        self.next_victim = None
+        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+        self._set_rows(pick(self.seen), pick(self.kept), pick(self.left),
+                       None if self.valid is None else pick(self.valid))
+        self._pack()
+
+    def extend(self, other):
+        """Append the rows of ``other`` (a BatchH2OKVCache of the same layer)."""
+        if (other.config, other.window_size) != (self.config, self.window_size):
+            raise ValueError("cannot extend a batch cache with one of another budget "
+                             f"or window: {other.config} vs {self.config}")
+        if not (self.empty() and other.empty()):
+            N = max(self.slots_used, other.slots_used)
+            like = other if self.empty() else self
+            parts = [_padded(c, N, like) for c in (self, other)]
+            self.state = tuple(mx.concatenate(p, axis=0) for p in zip(*parts))
+        valid = None
+        if self.valid is not None or other.valid is not None:
+            valid = ((self.valid or [0] * len(self.seen))
+                     + (other.valid or [0] * len(other.seen)))
+        self._set_rows(self.seen + other.seen, self.kept + other.kept,
+                       self.left + other.left, valid)
+        self.token_bytes = self.token_bytes or other.token_bytes
+
+    # --- merging single caches --------------------------------------------------------
+    @classmethod
+    def merge(cls, caches) -> "BatchH2OKVCache":
+        """One batch from single-sequence H2OKVCaches of one layer (mlx-lm
+        calls ``caches[0].merge(caches)``): each row holds its cache's slots,
+        scores and offset; rows with fewer slots get empty ones."""
+        first = caches[0]
+        for c in caches:
+            if type(c) is not H2OKVCache:
+                raise ValueError(
+                    f"{type(c).__name__} cannot join a batch: batched generation "
+                    "(mlx-lm's BatchGenerator, `mlx-h2o serve`) takes dense H2OKVCache "
+                    "caches only")
+            if (c.config, c.window_size) != (first.config, first.window_size):
+                raise ValueError("caches of one layer with different budgets or windows "
+                                 f"cannot form a batch: {c.config} vs {first.config}")
+        batch = cls(first.config, len(caches), first.window_size)
+        batch.model_name = first.model_name
+        states = [c.state for c in caches]  # reading the state folds queued scores
+        sizes = [c.size() for c in caches]
+        if max(sizes, default=0):
+            batch.state = _stacked(states, sizes)
+        batch._set_rows([c.offset for c in caches], sizes, [0] * len(caches), None)
+        batch.token_bytes = max(c.token_bytes for c in caches) * len(caches)
+        return batch
+
+    def extract(self, idx: int) -> H2OKVCache:
+        """Row ``idx`` as a single-sequence H2OKVCache (its held tokens in
+        position order, their scores): what the row alone would hold."""
+        k, seen = self.kept[idx], self.seen[idx]
+        template = H2OKVCache(self.config, self.window_size)
+        template.model_name = self.model_name
+        template.offset, template.evicted = seen, seen - k
+        if self.empty() or k == 0:
+            return template
+        row = [a[idx : idx + 1] for a in self.state]
+        slots = policy.packed_order(row[2], k)
+        state = [take_slots(a, slots, self.slots_used) for a in row]
+        return H2OKVCache.from_state(state, template.meta_state)
+
+
+def _stacked(states, sizes):
+    """(keys, values, positions, score, count) of single-sequence states
+    (one per row; () for an empty cache) with ``sizes`` slots in use: each
+    row's slots first, then empty ones up to the largest."""
+    K, V = next(s[:2] for s in states if s)
+    B, N, Hk = len(states), max(sizes), K.shape[1]
+    out = [mx.zeros((B, Hk, N, K.shape[3]), K.dtype), mx.zeros((B, Hk, N, V.shape[3]), V.dtype),
+           mx.full((B, Hk, N), EMPTY, mx.int32), mx.zeros((B, Hk, N), mx.float32),
+           mx.zeros((B, Hk, N), mx.float32)]
+    for i, (s, n) in enumerate(zip(states, sizes)):
+        for a, x in zip(out, s):
+            a[i : i + 1, :, :n] = x[:, :, :n]
+    return out
+
+
+def _padded(cache, N: int, like):
+    """``cache``'s state with N slots (empty ones added); a cache without
+    K/V yet gets all-empty rows shaped as ``like``'s."""
+    B = len(cache.seen)
+    if cache.empty():
+        K, V = like.state[:2]
+        shape = (B, K.shape[1], N)
+        return (mx.zeros((*shape, K.shape[3]), K.dtype), mx.zeros((*shape, V.shape[3]), V.dtype),
+                mx.full(shape, EMPTY, mx.int32), mx.zeros(shape, mx.float32),
+                mx.zeros(shape, mx.float32))
+    pad = N - cache.slots_used
+    out = []
+    for a, fill in zip(cache.state, (0, 0, EMPTY, 0.0, 0.0)):
+        widths = [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 3)
+        out.append(mx.pad(a, widths, constant_values=fill) if pad else a)
+    return tuple(out)
