@@ -80,14 +80,11 @@ class BatchRows:
 
     def _seen_rows(self, extra: int = 0):
         """(B, 1, 1) int32 tokens seen per row (plus ``extra``)."""
-        return mx.array([s + extra for s in self.seen], mx.int32)[:, None, None]
+        return row_ints(tuple(s + extra for s in self.seen), 3)
 
     def _row_mask(self, rows: List[int]) -> mx.array:
         """(B, 1, 1) True on ``rows``."""
-        mask = [False] * len(self.seen)
-        for b in rows:
-            mask[b] = True
-        return mx.array(mask)[:, None, None]
+        return row_ints(tuple(b in rows for b in range(len(self.seen))), 3, mx.bool_)
 
     # --- rows joining and leaving ----------------------------------------------------
     def filter(self, batch_indices):
@@ -167,10 +164,7 @@ def _stacked(states, sizes):
     (one per row; () for an empty cache) with ``sizes`` slots in use: each
     row's slots first, then empty ones up to the largest."""
     K, V = next(s[:2] for s in states if s)
-    B, N, Hk = len(states), max(sizes), K.shape[1]
-    out = [mx.zeros((B, Hk, N, K.shape[3]), K.dtype), mx.zeros((B, Hk, N, V.shape[3]), V.dtype),
-           mx.full((B, Hk, N), EMPTY, mx.int32), mx.zeros((B, Hk, N), mx.float32),
-           mx.zeros((B, Hk, N), mx.float32)]
+    out = _empty_state(len(states), max(sizes), K, V)
     for i, (s, n) in enumerate(zip(states, sizes)):
         for a, x in zip(out, s):
             a[i : i + 1, :, :n] = x[:, :, :n]
@@ -182,14 +176,19 @@ def _padded(cache, N: int, like):
     K/V yet gets all-empty rows shaped as ``like``'s."""
     B = len(cache.seen)
     if cache.empty():
-        K, V = like.state[:2]
-        shape = (B, K.shape[1], N)
-        return (mx.zeros((*shape, K.shape[3]), K.dtype), mx.zeros((*shape, V.shape[3]), V.dtype),
-                mx.full(shape, EMPTY, mx.int32), mx.zeros(shape, mx.float32),
-                mx.zeros(shape, mx.float32))
+        return _empty_state(B, N, *like.state[:2])
     pad = N - cache.slots_used
     out = []
     for a, fill in zip(cache.state, (0, 0, EMPTY, 0.0, 0.0)):
         widths = [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 3)
         out.append(mx.pad(a, widths, constant_values=fill) if pad else a)
     return tuple(out)
+
+
+def _empty_state(B: int, N: int, K, V):
+    """(keys, values, positions, score, count) of B rows of N empty slots,
+    K / V shaped and typed as ``K`` / ``V`` (B', Hk, ·, D)."""
+    shape = (B, K.shape[1], N)
+    return [mx.zeros((*shape, K.shape[3]), K.dtype), mx.zeros((*shape, V.shape[3]), V.dtype),
+            mx.full(shape, EMPTY, mx.int32), mx.zeros(shape, mx.float32),
+            mx.zeros(shape, mx.float32)]

@@ -50,8 +50,11 @@ def chunk_call(config, spans, kept, L: int, window_size=None, qpos=None) -> Chun
     select = np.zeros((len(spans), L), bool)
     for b, ((start, c), p) in enumerate(zip(spans, plans)):
         select[b, start + c - p.scored : start + c] = True
+    expected = any(p.expected for p in plans)
+    if not (window or expected):
+        return ChunkCall(L, qpos, plans, 0, mx.array(select), None, 0, None)
     columns = window_columns(W, spans)
-    expected = mx.array(columns) if any(p.expected for p in plans) else None
+    expected = mx.array(columns) if expected else None
     if not window:
         return ChunkCall(L, qpos, plans, 0, mx.array(select), None, 0, expected)
     return ChunkCall(L, qpos, plans, 0, mx.array(np.take_along_axis(select, columns, axis=1)),

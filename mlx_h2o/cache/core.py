@@ -94,12 +94,10 @@ class SlotCore:
         """Write L tokens per row at slots n..n+L: positions ``first`` ..
         ``first + L`` (an int), or ``first`` (B, L) per row (EMPTY: padding)."""
         L, n = keys.shape[2], self.slots_used
-        need = n + L
-        if need > self.kv.capacity:
-            self._grow(need, keys, values)
+        self.reserve(n + L, keys, values)
         self.kv.write(n, keys, values)
         self._note_written(keys)
-        self.slots_used = need
+        self.slots_used = n + L
         self.meta_pending = not meta
         if meta:
             self._write_append_meta(n, L, first)
