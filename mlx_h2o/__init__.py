@@ -19,6 +19,7 @@ _EXPORTS = {
     "load_prompt_cache": ".files",
     "make_h2o_cache": ".integration.factory",
     "patch": ".integration.routing",
+    "preview_prompt": ".integration.preview",
     "recover_prompt_cache": ".cache",
     "register_cache_class": ".files",
     "save_prompt_cache": ".files",

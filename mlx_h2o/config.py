@@ -5,7 +5,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from .scores import SCORE_MODES
 
-PREFILL_COMPACT = ("chunk", "prompt")
+PREFILL_COMPACT = ("chunk", "prompt", "preview")
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,17 @@ class H2OConfig:
         all of it (its scores block is chunk x tokens so far, not prompt x
         prompt); a stream fed only in chunks, with no decode step, is never
         compacted. Measured in docs/RESULTS.md.
+      - ``"preview"``: as ``"chunk"``, and every chunk compacted before the
+        prompt's end arrives is scored by the end's queries too, seen ahead:
+        ``mlx_h2o.preview_prompt`` runs the prompt's last ``prefill_window``
+        tokens through the model alone, at their own positions, before the
+        prefill (mlx_h2o's generate, the evaluation commands and the server
+        call it), and each overflowing chunk adds those queries' attention to
+        its window's. Those queries saw only the prompt's end, not the text
+        before it: an approximation of the real ones, which replace it when
+        the end arrives. Memory as under ``"chunk"``; cost: one forward pass
+        of ``prefill_window`` tokens and their attention over each compacted
+        chunk. Without a preview (a cache fed directly) it is ``"chunk"``.
     In both modes the newest window decides what stays
     (``policy.window_replaces``): a chunk of L >= ``prefill_window`` that
     overflows the budget while the cache already holds ``max_size`` tokens

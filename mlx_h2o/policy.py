@@ -186,7 +186,7 @@ class ChunkFold(NamedTuple):
     weight: int  # what one folded row stands for (an expected row: the window)
     pool: int  # neighbours its scores are max-pooled over (0: none)
     replace: bool  # its window replaces the held scores (``window_replaces``)
-    compact: bool  # compacted to max_size after its attention ("chunk" mode)
+    compact: bool  # compacted to max_size after its attention (all modes but "prompt")
 
 
 def chunk_fold(config, chunk: int, before: int, window_size=None) -> ChunkFold:
@@ -194,7 +194,8 @@ def chunk_fold(config, chunk: int, before: int, window_size=None) -> ChunkFold:
     ``before`` are held, one sequence's (a row's in a batch): a chunk that
     overflows the budget is scored by its last ``prefill_window`` queries
     (or their expected attention), pooled where more than one query row
-    stands behind its scores, and compacted after it under "chunk"."""
+    stands behind its scores, and compacted after it unless the mode is
+    "prompt"."""
     over = chunk > 1 and before + chunk > config.max_size
     W = config.prefill_window
     scored = W if over and 0 < W < chunk else chunk
@@ -204,7 +205,7 @@ def chunk_fold(config, chunk: int, before: int, window_size=None) -> ChunkFold:
     pool = config.prefill_pool if over and scored * weight > 1 else 0
     return ChunkFold(over, scored, expected, weight, pool,
                      over and window_replaces(config, chunk, before),
-                     over and config.prefill_compact == "chunk")
+                     over and config.prefill_compact != "prompt")
 
 
 def window_replaces(config, chunk: int, before: int) -> bool:

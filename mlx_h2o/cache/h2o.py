@@ -59,6 +59,8 @@ class H2OKVCache(SlotCore, _BaseCache):
         self.model_name = ""
         self.fold_phase = 0
         self.decode = None
+        self.preview = None  # (B, Hq, W, D): the prompt's last queries, seen ahead
+        self.preview_from = 0  # the position of the first of them
         self.set_decode(decode)
 
     def set_decode(self, kind: str = "auto", defer: int = DEFER_STEPS, group=None) -> None:
@@ -156,6 +158,23 @@ class H2OKVCache(SlotCore, _BaseCache):
         return policy.scored_by_window(self.config, L, self.slots_used > self.max_size,
                                        self.window_size)
 
+    def wants_preview(self) -> bool:
+        """Whether chunks are scored by the prompt's end seen ahead
+        (``prefill_compact="preview"``; a global layer's cache only)."""
+        return self.config.prefill_compact == "preview" and self.window_size is None
+
+    def set_preview(self, queries: mx.array, start: int) -> None:
+        """The queries (B, Hq, W, D) of the prompt's tokens from position
+        ``start`` on, computed ahead (mlx_h2o.preview_prompt): every chunk
+        compacted before ``start`` adds their attention to its scores."""
+        if not self.wants_preview():
+            return
+        if start < self.offset:
+            raise ValueError(
+                f"a preview of positions from {start} on came after the cache saw "
+                f"{self.offset} tokens: preview a prompt before it is prefilled")
+        self.preview, self.preview_from = queries, start
+
     # --- mlx-lm cache contract -------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         if self.pending:
@@ -195,6 +214,12 @@ class H2OKVCache(SlotCore, _BaseCache):
                                 self.window_size)
         out, exact, expected, _ = self.chunk_attention(queries, keys, values, scale,
                                                        self.mask_for(L, mask), sinks, call)
+        if self.preview is not None and self.offset > self.preview_from:
+            self.preview = None  # the prompt's end is here: its own queries score
+        if self.preview is not None and call.plans[0].compact and exact is not None:
+            dense = self.kv.dense(keys, values, queries.dtype)
+            exact = chunk.with_preview(self.config.score, self._positions.shape[1], exact,
+                                       self.preview, dense, scale, sinks)
         self.fold_chunk(call, exact, expected)
         if call.plans[0].compact:  # "prompt" waits for the first decode step
             self._compact()

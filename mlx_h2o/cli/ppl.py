@@ -51,6 +51,9 @@ def setup_arg_parser():
     p.add_argument("--mode", choices=("decode", "chunked"), default="decode",
                    help="decode: paper protocol; chunked: full sequence in chunks")
     p.add_argument("--prefill", type=int, default=32, help="prefill tokens (decode mode)")
+    p.add_argument("--prefill-step-size", type=int, default=0, metavar="N",
+                   help="prefill in chunks of N tokens, as mlx-lm's generate does "
+                   "(decode mode; 0: the prefill in one chunk)")
     p.add_argument("--chunk", type=int, default=64, help="chunk tokens (chunked mode)")
     p.add_argument("--batch-size", type=int, default=0,
                    help="samples per batch (0: all samples in one batch)")
@@ -76,17 +79,24 @@ def check_args(parser, args) -> list:
                     else "(one predicted)"))
     if args.mode == "decode":
         check_at_least(parser, "--prefill", args.prefill, 1)
+    check_at_least(parser, "--prefill-step-size", args.prefill_step_size, 0)
+    if args.prefill_step_size and args.mode != "decode":
+        fail(parser, "--prefill-step-size is a decode-mode option: with --mode chunked "
+             "use --chunk")
     check_budgets(parser, strategies, args.max_kv_size)
     return strategies
 
 
 def run_config(args) -> dict:
-    return {
+    config = {
         "model": args.model, "corpus": args.corpus, "num_samples": args.num_samples,
         "mode": args.mode, "prefill": args.prefill if args.mode == "decode" else None,
         "chunk": args.chunk if args.mode == "chunked" else None, "seed": args.seed,
         "bos": not args.no_bos,
     }
+    if args.prefill_step_size:  # absent when 0: results folders from before match
+        config["prefill_step"] = args.prefill_step_size
+    return config
 
 
 def load_data(tokenizer, args) -> dict:
@@ -119,7 +129,7 @@ def main(argv=None) -> int:
     data = load_data(tokenizer, args)
     tic = time.perf_counter()
     kw = dict(mode=args.mode, prefill=args.prefill, chunk=args.chunk,
-              show=not args.no_progress)
+              prefill_step=args.prefill_step_size, show=not args.no_progress)
     rows = sweep(model, data, strategies, args.max_kv_size, rdir,
                  batch_size=args.batch_size, **kw)
     print()

@@ -13,6 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..integration.preview import preview_prompt
 from ..integration.routing import patch
 from .common import eval_cache, progress
 from .strategies import Strategy
@@ -67,6 +68,7 @@ def run_batch(model, tokenizer, prompts, strategy: Strategy, max_kv: int,
     """Trials whose prompts have one length, as one batch; one dict per trial."""
     tokens = mx.array([list(map(int, p["tokens"])) for p in prompts])
     cache = strategy.make_cache(model, max_kv)
+    preview_prompt(model, cache, tokens)
     with patch():
         logits = prefill(model, tokens, cache, prefill_step)
         out = greedy(model, logits, cache, new_tokens).tolist()

@@ -5,7 +5,9 @@ Two protocols, both on a batch of B equal-length samples run as one batch:
 - ``decode`` (the H2O-in-MLX paper): prefill the first P tokens, then feed the
   rest one token at a time (teacher forcing) through the cache; the PPL is over
   the L - P decoded targets (positions P..L-1; the first one is predicted by
-  the prefill's last logits, so every strategy sees the same prompt).
+  the prefill's last logits, so every strategy sees the same prompt). The
+  prefill is one chunk, or chunks of ``prefill_step`` tokens as mlx-lm's
+  generate feeds a long prompt (where ``prefill_compact`` modes differ).
 - ``chunked`` (full sequence): feed the sample in chunks of C tokens through
   the cache; the PPL is over every target 1..L-1. Eviction happens between
   chunks, the way a long prompt is prefilled.
@@ -23,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
+from ..integration.preview import preview_prompt
 from ..integration.routing import patch
 from .common import eval_cache, mean_se, progress
 from .strategies import Strategy
@@ -32,15 +35,22 @@ def _nll(logits: mx.array, targets: mx.array) -> mx.array:
     return nn.losses.cross_entropy(logits.astype(mx.float32), targets, reduction="none")
 
 
-def decode_nll(model, tokens: mx.array, cache, prefill: int, show=False) -> mx.array:
-    """(B, L - prefill) NLL of tokens[:, prefill:], decoding one token at a time."""
+def decode_nll(model, tokens: mx.array, cache, prefill: int, show=False,
+               prefill_step: int = 0) -> mx.array:
+    """(B, L - prefill) NLL of tokens[:, prefill:], decoding one token at a
+    time after a prefill in chunks of ``prefill_step`` tokens (0: one chunk)."""
     B, L = tokens.shape
     if not 0 < prefill < L:
         raise ValueError(f"prefill={prefill} must be in [1, {L - 1}] for L={L}")
+    step = prefill_step if prefill_step > 0 else prefill
     steps = []
     bar = progress(total=L - prefill, desc="decode", enabled=show)
+    preview_prompt(model, cache, tokens[:, :prefill])
     with patch():
-        logits = model(tokens[:, :prefill], cache=cache)[:, -1]
+        for s in range(0, prefill - step, step):  # every chunk but the last
+            eval_cache(model(tokens[:, s : s + step], cache=cache), cache)
+        last = (prefill - 1) // step * step
+        logits = model(tokens[:, last:prefill], cache=cache)[:, -1]
         for t in range(prefill, L):
             nll = _nll(logits, tokens[:, t])
             eval_cache(nll, cache)
@@ -136,6 +146,7 @@ def run_ppl(
     chunk: int = 64,
     show: bool = False,
     batch_size: int = 0,
+    prefill_step: int = 0,
 ) -> dict[str, Any]:
     """One strategy at one budget on (B, L) samples, ``batch_size`` at a time (0: all)."""
     if mode not in ("decode", "chunked"):
@@ -150,7 +161,7 @@ def run_ppl(
         cache = strategy.make_cache(model, max_kv)
         batch = tokens[s : s + step]
         if mode == "decode":
-            parts.append(decode_nll(model, batch, cache, prefill, show))
+            parts.append(decode_nll(model, batch, cache, prefill, show, prefill_step))
         else:
             parts.append(chunked_nll(model, batch, cache, chunk, show))
     result = summarize(mx.concatenate(parts, axis=0))

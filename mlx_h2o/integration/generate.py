@@ -2,11 +2,14 @@
 
 from typing import Any, Generator, List, Optional
 
+import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..config import H2OConfig
 from .factory import make_h2o_cache
+from .preview import preview_prompt, preview_window
 from .routing import patch
 
 
@@ -33,6 +36,26 @@ def _h2o_cache(model, draft_model, h2o_config, kwargs) -> Optional[List[Any]]:
     return cache
 
 
+def _previewed(model, tokenizer, prompt, cache, draft_model):
+    """The prompt as token ids, its end previewed into ``cache`` where the
+    caches ask for it (``prefill_compact="preview"``); else as given."""
+    if cache is None or not preview_window(cache):
+        return prompt
+    if not isinstance(prompt, mx.array):
+        if isinstance(prompt, str):  # as mlx_lm.stream_generate encodes it
+            tokenizer = (tokenizer if isinstance(tokenizer, TokenizerWrapper)
+                         else TokenizerWrapper(tokenizer))
+            bos = tokenizer.bos_token
+            prompt = tokenizer.encode(prompt, add_special_tokens=bos is None
+                                      or not prompt.startswith(bos))
+        prompt = mx.array(prompt)
+    n = len(model.layers)
+    preview_prompt(model, cache[:n], prompt)
+    if draft_model is not None:
+        preview_prompt(draft_model, cache[n:], prompt)
+    return prompt
+
+
 def stream_generate(
     model: nn.Module,
     tokenizer,
@@ -49,7 +72,9 @@ def stream_generate(
     ``h2o_config.max_size`` tokens in every layer; "auto" or a profile path)
     goes to ``make_h2o_cache``.
     """
-    cache = _h2o_cache(model, kwargs.get("draft_model"), h2o_config, kwargs)
+    draft = kwargs.get("draft_model")
+    cache = _h2o_cache(model, draft, h2o_config, kwargs)
+    prompt = _previewed(model, tokenizer, prompt, cache, draft)
     responses = mlx_lm.stream_generate(
         model, tokenizer, prompt, max_tokens=max_tokens, prompt_cache=cache, **kwargs
     )
@@ -70,7 +95,9 @@ def generate(
     **kwargs,
 ) -> str:
     """``mlx_lm.generate`` with H2O caches (see ``stream_generate``)."""
-    cache = _h2o_cache(model, kwargs.get("draft_model"), h2o_config, kwargs)
+    draft = kwargs.get("draft_model")
+    cache = _h2o_cache(model, draft, h2o_config, kwargs)
+    prompt = _previewed(model, tokenizer, prompt, cache, draft)
     with patch():
         return mlx_lm.generate(
             model, tokenizer, prompt, verbose=verbose, prompt_cache=cache, **kwargs

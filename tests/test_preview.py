@@ -1,0 +1,243 @@
+"""prefill_compact="preview": the prompt's end, run ahead through the model
+alone, scores every chunk compacted before the end arrives."""
+
+import mlx.core as mx
+import mlx_lm.models.base as mlx_base
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+from test_cache import check_invariants, kept_positions
+from test_integration import word_tokenizer
+from tiny_models import BUILDERS, VOCAB, tiny_gemma3, tiny_llama
+
+import mlx_h2o
+from mlx_h2o import H2OConfig, H2OKVCache, make_h2o_cache, preview_prompt
+from mlx_h2o.cache import chunk
+from mlx_h2o.config import config_from_dict, config_to_dict
+from mlx_h2o.integration.preview import preview_window
+from mlx_h2o.scores import SCORE_MODES, score_mode
+
+D = 8
+
+
+def _softmax_rows(logits, sinks):
+    top = logits.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        top = np.maximum(top, sinks[None, :, None, None])
+    e = np.exp(logits - top)
+    den = e.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        den = den + np.exp(sinks[None, :, None, None] - top)
+    return e / den
+
+
+@pytest.mark.parametrize("mode", SCORE_MODES)
+@pytest.mark.parametrize("hq,hk", [(2, 2), (4, 2), (6, 1)])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_preview_columns_match_float64(mode, hq, hk, with_sinks):
+    rng = np.random.default_rng(hq * 10 + hk + with_sinks)
+    B, W, N = 2, 5, 37
+    q, k, v = (rng.standard_normal(s) for s in ((B, hq, W, D), (B, hk, N, D), (B, hk, N, D)))
+    sinks = rng.standard_normal(hq) if with_sinks else None
+    held = (rng.random((B, hk, N)), rng.integers(0, 4, (B, hk, N)).astype(float))
+    scale = D ** -0.5
+    step, seen = chunk.with_preview(
+        mode, hk, tuple(mx.array(a.astype(np.float32)) for a in held),
+        mx.array(q.astype(np.float32)),
+        (mx.array(k.astype(np.float32)), mx.array(v.astype(np.float32))), scale,
+        None if sinks is None else mx.array(sinks.astype(np.float32)))
+    logits = scale * q @ np.repeat(k, hq // hk, axis=1).swapaxes(-1, -2)  # (B, hq, W, N)
+    spec = score_mode(mode)
+    mag = np.abs(logits) if spec.magnitude == "abs_logit" else _softmax_rows(logits, sinks)
+    want = mag.reshape(B, hk, hq // hk, W, N).mean(axis=2).sum(axis=2)
+    np.testing.assert_allclose(np.array(seen), held[1] + W, rtol=0, atol=0)
+    if spec.fold == "fixed":
+        assert step is None
+    else:
+        np.testing.assert_allclose(np.array(step), held[0] + want, rtol=2e-5, atol=2e-5)
+
+
+CFG = dict(max_size=16, sink_size=2, heavy_budget=6, prefill_window=4, prefill_pool=0)
+
+
+def _needle_prompt(seed, L=36, needle=10, B=2, hq=2, hk=1):
+    """(q, k, v) of a prompt whose keys at ``needle`` point along ``u``, and
+    whose last 4 queries (the question) ask for ``u``."""
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((B, h, L, D)).astype(np.float32) for h in (hq, hk, hk))
+    u = np.zeros(D, np.float32)
+    u[0] = 1.0
+    k[:, :, needle] = 4.0 * u
+    q[:, :, -4:] = 4.0 * u
+    return q, k, v
+
+
+def _prefill(cfg, q, k, v, chunks, preview=False):
+    cache, s = H2OKVCache(H2OConfig(**cfg)), 0
+    if preview:
+        cache.set_preview(mx.array(q[:, :, -4:]), q.shape[2] - 4)
+    for L in chunks:
+        keys, values = cache.update_and_fetch(mx.array(k[:, :, s:s + L]),
+                                              mx.array(v[:, :, s:s + L]))
+        cache.h2o_attention(mx.array(q[:, :, s:s + L]), keys, values, scale=D ** -0.5,
+                            mask="causal")
+        s += L
+        check_invariants(cache, s, cache.config)
+        assert (cache.preview is None) == (not preview or s > q.shape[2] - 4)
+    return kept_positions(cache)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 3])  # seeds whose chunks drop it by chance too
+def test_the_ends_queries_keep_a_needle_that_chunks_before_it_drop(seed):
+    q, k, v = _needle_prompt(seed)
+    chunks = [12, 12, 12]
+    plain = _prefill({**CFG, "prefill_compact": "chunk"}, q, k, v, chunks)
+    assert not (plain == 10).any(axis=-1).any()  # the chunk before the question drops it
+    seen = _prefill({**CFG, "prefill_compact": "preview"}, q, k, v, chunks, preview=True)
+    assert (seen == 10).any(axis=-1).all()  # every row and head keeps it
+    # Not previewed, "preview" is "chunk".
+    np.testing.assert_array_equal(
+        _prefill({**CFG, "prefill_compact": "preview"}, q, k, v, chunks), plain)
+
+
+def test_preview_applies_only_to_the_preview_mode_and_global_layers():
+    q = mx.zeros((1, 2, 4, D))
+    for compact, window, wants in [("chunk", None, False), ("prompt", None, False),
+                                   ("preview", None, True), ("preview", 8, False)]:
+        cache = H2OKVCache(H2OConfig(**{**CFG, "prefill_compact": compact}), window_size=window)
+        assert cache.wants_preview() is wants
+        cache.set_preview(q, 20)
+        assert (cache.preview is not None) is wants
+
+
+def test_preview_after_the_prompt_began_is_refused():
+    cache = H2OKVCache(H2OConfig(**{**CFG, "prefill_compact": "preview"}))
+    cache.update_and_fetch(mx.zeros((1, 1, 6, D)), mx.zeros((1, 1, 6, D)))
+    cache.h2o_attention(mx.zeros((1, 2, 6, D)), *cache.kv.fetch(6), scale=1.0, mask="causal")
+    with pytest.raises(ValueError, match="before it is prefilled"):
+        cache.set_preview(mx.zeros((1, 2, 4, D)), 2)
+
+
+def _recorded_queries(model, tokens):
+    """Each layer's queries for ``tokens`` run alone from position 0 (mlx-lm's caches)."""
+    seen, original = [], mlx_base.scaled_dot_product_attention
+
+    def record(queries, keys, values, cache, scale, mask, sinks=None):
+        seen.append(queries)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    modules = [m for m in mlx_h2o.integration.routing._model_modules()
+               if getattr(m, "scaled_dot_product_attention", None) is original]
+    for m in modules:
+        m.scaled_dot_product_attention = record
+    try:
+        model(tokens, cache=[KVCache() for _ in model.layers])
+    finally:
+        for m in modules:
+            m.scaled_dot_product_attention = original
+    return seen
+
+
+def _shifted(attn, queries, by: int):
+    """RoPE rotations compose: each query moved on by ``by`` positions."""
+    return mx.concatenate([attn.rope(queries[:, :, i:i + 1], offset=by)
+                           for i in range(queries.shape[2])], axis=2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_preview_prompt_gives_each_layer_the_ends_queries_at_their_positions(arch):
+    model = BUILDERS[arch]()
+    L, W = 50, 8
+    tokens = mx.random.randint(0, VOCAB, (2, L), key=mx.random.key(1))
+    cache = make_h2o_cache(model, H2OConfig(max_size=16, prefill_window=W,
+                                            prefill_compact="preview"))
+    preview_prompt(model, cache, tokens)
+    # The end's hidden states do not depend on where it sits (attention
+    # among its own tokens is relative): the queries of the same tokens from
+    # position 0, rotated on by L - W, are the preview's.
+    alone = _recorded_queries(model, tokens[:, L - W:])
+    for layer, c, q0 in zip(model.layers, cache, alone):
+        assert c.preview_from == L - W
+        want = _shifted(layer.self_attn, q0, L - W)
+        np.testing.assert_allclose(np.array(c.preview), np.array(want), rtol=1e-4, atol=1e-4)
+
+
+def test_gemma_previews_its_global_layers_only():
+    model = tiny_gemma3()
+    cache = make_h2o_cache(model, H2OConfig(max_size=24, prefill_window=4,
+                                            prefill_compact="preview"))
+    preview_prompt(model, cache, mx.arange(40) % VOCAB)
+    got = [c.preview is not None for c in cache]
+    assert got == [c.window_size is None for c in cache] and any(got) and not all(got)
+
+
+def test_preview_prompt_does_nothing_where_no_cache_asks():
+    model = tiny_llama()
+    plain = make_h2o_cache(model, H2OConfig(max_size=16))
+    stock = [KVCache() for _ in model.layers]
+    assert preview_window(plain) == preview_window(stock) == 0
+    for cache in (plain, stock):
+        preview_prompt(model, cache, mx.arange(40) % VOCAB)
+    assert all(c.preview is None for c in plain)
+    short = make_h2o_cache(model, H2OConfig(max_size=16, prefill_compact="preview"))
+    preview_prompt(model, short, mx.arange(20) % VOCAB)  # no longer than the window
+    assert all(c.preview is None for c in short)
+
+
+def test_preview_prompt_refuses_bad_input():
+    model = tiny_llama()
+    cache = make_h2o_cache(model, H2OConfig(max_size=16, prefill_compact="preview"))
+    with pytest.raises(ValueError, match=r"\(L,\) or \(B, L\)"):
+        preview_prompt(model, cache, mx.zeros((1, 1, 40), mx.int32))
+    with mlx_h2o.patch():
+        model(mx.arange(5)[None], cache=cache)
+    with pytest.raises(ValueError, match="empty cache"):
+        preview_prompt(model, cache, mx.arange(40) % VOCAB)
+
+
+def _logits(model, cache, tokens, step):
+    with mlx_h2o.patch():
+        for s in range(0, tokens.shape[1] - 1, step):
+            model(tokens[:, s:min(s + step, tokens.shape[1] - 1)], cache=cache)
+        return model(tokens[:, -1:], cache=cache)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_within_the_budget_preview_is_the_full_cache(arch):
+    model = BUILDERS[arch]()
+    tokens = mx.random.randint(0, VOCAB, (2, 60), key=mx.random.key(2))
+    cache = make_h2o_cache(model, H2OConfig(max_size=64, prefill_window=8,
+                                            prefill_compact="preview"))
+    preview_prompt(model, cache, tokens)
+    got = _logits(model, cache, tokens, 16)
+    want = _logits(model, [KVCache() for _ in model.layers], tokens, 16)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+
+
+def test_generate_previews_a_long_prompt(monkeypatch):
+    from mlx_h2o.integration import generate as gen
+
+    model, calls = tiny_llama(), []
+    real = gen.preview_prompt
+
+    def spy(m, cache, prompt):
+        calls.append((len(cache), prompt.shape))
+        real(m, cache, prompt)
+        assert all(c.preview is not None for c in cache)
+
+    monkeypatch.setattr(gen, "preview_prompt", spy)
+    tok, prompt = word_tokenizer(), " ".join(f"w{i % 40 + 2}" for i in range(160))
+    text = mlx_h2o.generate(model, tok, prompt, max_tokens=3, prefill_step_size=48,
+                            h2o_config=H2OConfig(max_size=32, prefill_compact="preview"))
+    assert calls == [(len(model.layers), (160,))] and isinstance(text, str)
+    mlx_h2o.generate(model, tok, prompt, max_tokens=3, prefill_step_size=48,
+                     h2o_config=H2OConfig(max_size=32))
+    assert len(calls) == 1  # "chunk": nothing previewed
+
+
+def test_config_and_cli_take_the_preview_mode():
+    cfg = H2OConfig(max_size=16, prefill_compact="preview")
+    assert config_to_dict(cfg)["prefill_compact"] == "preview"
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+    with pytest.raises(ValueError, match="prefill_compact"):
+        H2OConfig(max_size=16, prefill_compact="previews")
