@@ -3,18 +3,29 @@
 Example (a CUDA machine; kvpress 0.5.5 on PYTHONPATH, see below):
     python benchmarks/kvpress_retrieval.py --model smollm2-135m --contexts 2048 4096 \
         --budgets 0.1 0.25 0.5 --out results/kvpress
+    python benchmarks/kvpress_retrieval.py --model gemma3-270m --contexts 2048 4096 8192 \
+        --budgets 0.1 0.25 0.5 --haystack python-docs --seed 1 --out results/kvpress_gemma
 CPU smoke run:
     python benchmarks/kvpress_retrieval.py --device cpu --contexts 2048 --depths 0.5 \
         --tasks single docqa --presses baseline knorm snapkv --budgets 0.25 --out /tmp/kvp
 
-Same prompts: `mlx_h2o.eval.retrieval.make_prompts` with the defaults of
-`mlx-h2o retrieval` (every task, depths 0.1 0.5 0.9, seed 0, the austen haystack,
-chat template) and the packaged model's own tokenizer, so the token ids are the
-ones MLX is fed. Same weights: the packaged model's prepared dir loads into
-`AutoModelForCausalLM` as it is (mlx-lm's Llama names are Hugging Face's); the
-header prints the largest |logit| difference to the mlx-lm model on one prompt,
-MLX run with MLX_ENABLE_TF32=0 (on CUDA MLX otherwise multiplies float32 in
-TF32, as `mlx-h2o retrieval` then does; torch's float32 matmuls are exact).
+Same prompts: `mlx_h2o.eval.retrieval.make_prompts` with the arguments of
+`mlx-h2o retrieval` (--tasks, --depths, --seed, --haystack, --no-chat; its
+defaults) and the packaged model's own tokenizer, so the token ids are the
+ones MLX is fed: SmolLM2's chat template, Gemma 3 270M (a base model, no
+template) a plain prompt after <bos>; an answer ends at the tokenizer's eos.
+Same weights: the packaged model's prepared dir (float32 mlx-lm, from a GGUF)
+loads into `AutoModelForCausalLM` as it is: mlx-lm's llama and gemma3_text
+weight names are Hugging Face's, and transformers reads gemma3's config keys
+(rope_local_base_freq, sliding_window_pattern, query_pre_attn_scalar, a tied
+lm_head; both RMSNorms scale by 1 + w). One change, in memory (`MAPPINGS`):
+mlx-lm scales Gemma's embeddings by sqrt(hidden_size) rounded to bfloat16
+(25.25, not 25.30), transformers keeps float32, a gap of ~5e-2 in the logits.
+Other model types raise ValueError. The header prints the largest |logit|
+difference to the mlx-lm model on one prompt (CPU float32, the 2K prompt:
+SmolLM2 1.5e-4, Gemma 5e-5), MLX run with MLX_ENABLE_TF32=0 (on CUDA MLX
+otherwise multiplies float32 in TF32, as `mlx-h2o retrieval` then does;
+torch's float32 matmuls are exact).
 Same scoring: `passkey.score_trial` (`retrieval_data.score_output`) on the
 decoded text; rows have the shape of the retrieval summary's.
 
@@ -22,7 +33,7 @@ Protocol (kvpress's own pipeline prefills a context, then feeds the question):
 our prompt ends with the question, so a press compresses the whole prompt but
 its last token, question included, as H2O's prefill sees it. `mlx-h2o` prefills
 all but the last token too, then feeds the last one as the first decode step.
-The press's forward hooks (`with press(model):`) act on the prefill forward only
+The press's forward hooks (`press_hooks`) act on the prefill forward only
 (kvpress's `is_prefilling`); decoding runs without hooks, on the compressed
 DynamicCache, with explicit position ids (the cache is shorter than the
 positions), greedy for --new-tokens, a row ending at the tokenizer's eos.
@@ -34,7 +45,11 @@ token (no eviction while decoding; H2O stays at max_kv); pyramidkv keeps
 max_kv on average over layers (more in low layers); adakv keeps max_kv per
 layer on average over heads (per-head budgets, enforced by masking, not by
 freeing memory); observed_attention needs eager attention (it materialises the
-L x L weights: its batch is cut to --eager-gb).
+L x L weights: its batch is cut to --eager-gb). Gemma 3: kvpress compresses
+the full-attention layers only (its rule for Gemma3ForConditionalGeneration,
+applied here to Gemma3ForCausalLM too, `press_hooks`); the sliding-window
+layers keep their last 511 tokens whatever the budget (mlx-h2o's H2O keeps
+min(max_kv, 512) there), as transformers' DynamicCache does for the config.
 
 Presses left out: they download weights or statistics (duo_attention, qfilter,
 kvzap, fastkvzip, restorekv, expected_attention_stats, lukv), need a trained
@@ -47,11 +62,13 @@ lazy detection).
 
 Runs kvpress 0.5.5 on transformers 5.17 (kvpress asks for < 5.3): the press
 hooks read `cache_position`, which 5.17 no longer passes to the attention
-layers, so the prefill passes it explicitly.
+layers, so the prefill passes it explicitly; Gemma 3's rotary embedding takes
+the layer type, so each hooked layer gets its own (expected_attention uses it).
 """
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -127,8 +144,11 @@ def setup_arg_parser():
                    help="<= 1 a fraction of the context, else tokens (as mlx-h2o retrieval)")
     p.add_argument("--presses", nargs="+", default=None,
                    help="'baseline' and kvpress presses (default: all; see the docstring)")
-    p.add_argument("--haystack", default="austen")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--haystack", default="austen",
+                   help="noise, a corpus (austen, python-docs, ...), a text file or folder")
+    p.add_argument("--no-chat", action="store_true",
+                   help="plain prompts even where the model has a chat template")
+    p.add_argument("--seed", type=int, default=0, help="seed of the needles")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=7)
     p.add_argument("--eager-gb", type=float, default=8.0,
@@ -141,12 +161,62 @@ def setup_arg_parser():
     return p
 
 
-def load_torch_model(path: str, device: str, dtype: str):
-    from transformers import AutoModelForCausalLM
+def bf16_embed_scale(model) -> None:
+    """mlx-lm's gemma3_text scales the embeddings by sqrt(hidden_size) rounded to
+    bfloat16; transformers' Gemma 3 by the float32 value: use mlx-lm's."""
+    emb = model.model.embed_tokens
+    scale = torch.tensor(model.config.hidden_size**0.5).to(torch.bfloat16).item()
+    emb.embed_scale.fill_(scale)
+    emb.scalar_embed_scale = scale  # what transformers' init would reset it to
 
+
+# model_type -> the change, in memory, that makes transformers' model of a prepared
+# mlx-lm dir compute what mlx-lm's does (names and config keys load as they are)
+MAPPINGS = {"llama": None, "gemma3_text": bf16_embed_scale}
+
+
+def load_torch_model(path: str, device: str, dtype: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kind = AutoConfig.from_pretrained(path).model_type
+    if kind not in MAPPINGS:
+        raise ValueError(f"{path}: model_type {kind!r} has no mapping from mlx-lm to "
+                         f"transformers here; mapped: {', '.join(MAPPINGS)}")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
                                                  attn_implementation="sdpa")
+    if MAPPINGS[kind] is not None:
+        MAPPINGS[kind](model)
     return model.to(device).eval()
+
+
+def press_hooks(press, model):
+    """`press(model)`: kvpress's prefill hooks. Where some layers slide (Gemma 3),
+    on the full-attention layers only, as kvpress does for Gemma 3 (its test is on
+    Gemma3ForConditionalGeneration, which Gemma3ForCausalLM is not)."""
+    layers = model.model.layers
+    if not any(getattr(layer.self_attn, "is_sliding", False) for layer in layers):
+        return press(model)
+    return _full_attention_hooks(press, model)
+
+
+@contextlib.contextmanager
+def _full_attention_hooks(press, model):
+    # BasePress.__call__ minus the sliding layers. transformers 5's Gemma 3 rotary
+    # embedding takes the layer type; expected_attention calls rotary_emb(x, pos).
+    press.post_init_from_model(model)
+    hooks = []
+    try:
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            if attn.is_sliding:
+                continue
+            rotary = functools.partial(model.model.rotary_emb, layer_type=attn.layer_type)
+            attn.rotary_emb = rotary
+            hooks.append(attn.register_forward_hook(press.forward_hook, with_kwargs=True))
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 @torch.no_grad()
@@ -168,7 +238,7 @@ def prefill(model, ids: torch.Tensor, cache, press) -> None:
     """All but the last token into `cache`, compressed by `press` (None: kept whole).
     `cache_position` is passed because kvpress's hooks read it."""
     L = ids.shape[1] - 1
-    with press(model) if press is not None else contextlib.nullcontext():
+    with press_hooks(press, model) if press is not None else contextlib.nullcontext():
         model.model(input_ids=ids[:, :L], past_key_values=cache, use_cache=True,
                     cache_position=torch.arange(L, device=ids.device))
 
@@ -207,7 +277,7 @@ def run_cell(model, tokenizer, prompts, press, batch_size, new_tokens, device) -
     for s in range(0, len(prompts), batch_size):
         batch = prompts[s : s + batch_size]
         ids = torch.tensor([list(map(int, p["tokens"])) for p in batch], device=device)
-        cache = DynamicCache()
+        cache = DynamicCache(config=model.config)  # Gemma 3's sliding layers: 511 tokens
         prefill(model, ids, cache, press)
         kept.append([layer.keys.shape[-2] for layer in cache.layers])
         out = greedy(model, ids, cache, new_tokens, eos)
@@ -255,8 +325,8 @@ def load_and_check(args):
     mx_model, tokenizer = load_model(args.model)
     model = load_torch_model(resolve_model(args.model), args.device, args.dtype)
     hay = haystack_text(args.haystack)
-    prompts = {c: make_prompts(tokenizer, args.tasks, [c], args.depths, args.seed, hay, True)
-               for c in args.contexts}
+    prompts = {c: make_prompts(tokenizer, args.tasks, [c], args.depths, args.seed, hay,
+                               not args.no_chat) for c in args.contexts}
     # The shortest context's first prompt: the same weights show at any length, and
     # an 8K forward on two CPU cores took longer than the whole grid's read-back.
     diff = logit_diff(mx_model, model, prompts[min(prompts)][0]["tokens"])
@@ -270,6 +340,7 @@ def run_config(args, diff: float) -> dict:
 
     config = {k: getattr(args, k) for k in ("model", "tasks", "depths", "haystack", "seed",
                                             "new_tokens", "batch_size", "device", "dtype")}
+    config["chat"] = not args.no_chat
     return config | {
         "torch": torch.__version__, "transformers": transformers.__version__,
         "kvpress": version("kvpress"), "logit_max_abs_diff": diff,
