@@ -173,7 +173,7 @@ def test_gemma_previews_its_global_layers_only():
 
 def test_preview_prompt_does_nothing_where_no_cache_asks():
     model = tiny_llama()
-    plain = make_h2o_cache(model, H2OConfig(max_size=16))
+    plain = make_h2o_cache(model, H2OConfig(max_size=16, prefill_compact="chunk"))
     stock = [KVCache() for _ in model.layers]
     assert preview_window(plain) == preview_window(stock) == 0
     for cache in (plain, stock):
@@ -189,10 +189,25 @@ def test_preview_prompt_refuses_bad_input():
     cache = make_h2o_cache(model, H2OConfig(max_size=16, prefill_compact="preview"))
     with pytest.raises(ValueError, match=r"\(L,\) or \(B, L\)"):
         preview_prompt(model, cache, mx.zeros((1, 1, 40), mx.int32))
+
+
+def test_a_continued_prompt_is_previewed_after_what_the_cache_holds():
+    model = tiny_llama()
+    cache = make_h2o_cache(model, H2OConfig(max_size=16, prefill_window=8,
+                                            prefill_compact="preview"))
     with mlx_h2o.patch():
         model(mx.arange(5)[None], cache=cache)
-    with pytest.raises(ValueError, match="empty cache"):
-        preview_prompt(model, cache, mx.arange(40) % VOCAB)
+    preview_prompt(model, cache, mx.arange(40) % VOCAB)
+    assert all(c.preview_from == 5 + 40 - 8 for c in cache)
+
+
+def test_a_prompt_of_one_prefill_chunk_is_not_previewed():
+    model = tiny_llama()
+    for L, step, previewed in [(41, 40, False), (42, 40, True), (42, None, True)]:
+        cache = make_h2o_cache(model, H2OConfig(max_size=16, prefill_window=8,
+                                                prefill_compact="preview"))
+        preview_prompt(model, cache, mx.arange(L) % VOCAB, step)
+        assert all((c.preview is not None) is previewed for c in cache)
 
 
 def _logits(model, cache, tokens, step):
@@ -220,18 +235,18 @@ def test_generate_previews_a_long_prompt(monkeypatch):
     model, calls = tiny_llama(), []
     real = gen.preview_prompt
 
-    def spy(m, cache, prompt):
-        calls.append((len(cache), prompt.shape))
-        real(m, cache, prompt)
+    def spy(m, cache, prompt, step):
+        calls.append((len(cache), prompt.shape, step))
+        real(m, cache, prompt, step)
         assert all(c.preview is not None for c in cache)
 
     monkeypatch.setattr(gen, "preview_prompt", spy)
     tok, prompt = word_tokenizer(), " ".join(f"w{i % 40 + 2}" for i in range(160))
     text = mlx_h2o.generate(model, tok, prompt, max_tokens=3, prefill_step_size=48,
-                            h2o_config=H2OConfig(max_size=32, prefill_compact="preview"))
-    assert calls == [(len(model.layers), (160,))] and isinstance(text, str)
+                            h2o_config=H2OConfig(max_size=32))  # the default previews
+    assert calls == [(len(model.layers), (160,), 48)] and isinstance(text, str)
     mlx_h2o.generate(model, tok, prompt, max_tokens=3, prefill_step_size=48,
-                     h2o_config=H2OConfig(max_size=32))
+                     h2o_config=H2OConfig(max_size=32, prefill_compact="chunk"))
     assert len(calls) == 1  # "chunk": nothing previewed
 
 

@@ -267,15 +267,18 @@ def test_model_prefill_in_chunks(arch):
 
 
 def test_config_value_dict_and_options():
-    with pytest.raises(ValueError, match=r"prefill_compact='end'.*\('chunk', 'prompt'\)"):
+    with pytest.raises(ValueError, match=r"prefill_compact='end'.*\('chunk', 'prompt', 'preview'\)"):
         H2OConfig(max_size=8, prefill_compact="end")
-    assert H2OConfig(max_size=8).prefill_compact == "chunk"
-    # The default is left out of the dict: old saved caches and result keys match.
-    assert "prefill_compact" not in config_to_dict(H2OConfig(max_size=8))
-    old = json.loads(json.dumps(config_to_dict(H2OConfig(max_size=8))))
-    assert config_from_dict(old) == H2OConfig(max_size=8)
-    cfg = H2OConfig(max_size=8, prefill_compact="prompt")
-    assert config_from_dict(config_to_dict(cfg)) == cfg
+    assert H2OConfig(max_size=8).prefill_compact == "preview"
+    # "chunk" (the rule before the option) is left out of the dict: saved
+    # caches and result keys from before it read back as "chunk".
+    chunk = H2OConfig(max_size=8, prefill_compact="chunk")
+    assert "prefill_compact" not in config_to_dict(chunk)
+    old = json.loads(json.dumps(config_to_dict(chunk)))
+    assert config_from_dict(old) == chunk
+    for mode in ("prompt", "preview"):
+        cfg = H2OConfig(max_size=8, prefill_compact=mode)
+        assert config_from_dict(config_to_dict(cfg)) == cfg
     s = parse_strategy("h2o-heavy:prefill_compact=prompt,layer_budget=uniform")
     assert s.h2o_config(1024).prefill_compact == "prompt"
     assert s.key(1024) != parse_strategy("h2o-heavy:layer_budget=uniform").key(1024)
@@ -285,7 +288,7 @@ def test_config_value_dict_and_options():
 
 def test_cli_flag():
     parse = lambda *a: setup_arg_parser().parse_args(list(a))  # noqa: E731
-    assert h2o_config_from_args(parse()).prefill_compact == "chunk"
+    assert h2o_config_from_args(parse()).prefill_compact == "preview"
     cfg = h2o_config_from_args(parse("--h2o-prefill-compact", "prompt"))
     assert cfg.prefill_compact == "prompt"
     with pytest.raises(SystemExit):

@@ -68,7 +68,7 @@ def run_batch(model, tokenizer, prompts, strategy: Strategy, max_kv: int,
     """Trials whose prompts have one length, as one batch; one dict per trial."""
     tokens = mx.array([list(map(int, p["tokens"])) for p in prompts])
     cache = strategy.make_cache(model, max_kv)
-    preview_prompt(model, cache, tokens)
+    preview_prompt(model, cache, tokens, prefill_step)
     with patch():
         logits = prefill(model, tokens, cache, prefill_step)
         out = greedy(model, logits, cache, new_tokens).tolist()

@@ -45,7 +45,7 @@ def decode_nll(model, tokens: mx.array, cache, prefill: int, show=False,
     step = prefill_step if prefill_step > 0 else prefill
     steps = []
     bar = progress(total=L - prefill, desc="decode", enabled=show)
-    preview_prompt(model, cache, tokens[:, :prefill])
+    preview_prompt(model, cache, tokens[:, :prefill], step)
     with patch():
         for s in range(0, prefill - step, step):  # every chunk but the last
             eval_cache(model(tokens[:, s : s + step], cache=cache), cache)

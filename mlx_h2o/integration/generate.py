@@ -36,7 +36,7 @@ def _h2o_cache(model, draft_model, h2o_config, kwargs) -> Optional[List[Any]]:
     return cache
 
 
-def _previewed(model, tokenizer, prompt, cache, draft_model):
+def _previewed(model, tokenizer, prompt, cache, draft_model, step):
     """The prompt as token ids, its end previewed into ``cache`` where the
     caches ask for it (``prefill_compact="preview"``); else as given."""
     if cache is None or not preview_window(cache):
@@ -50,9 +50,9 @@ def _previewed(model, tokenizer, prompt, cache, draft_model):
                                       or not prompt.startswith(bos))
         prompt = mx.array(prompt)
     n = len(model.layers)
-    preview_prompt(model, cache[:n], prompt)
+    preview_prompt(model, cache[:n], prompt, step)
     if draft_model is not None:
-        preview_prompt(draft_model, cache[n:], prompt)
+        preview_prompt(draft_model, cache[n:], prompt, step)
     return prompt
 
 
@@ -74,7 +74,8 @@ def stream_generate(
     """
     draft = kwargs.get("draft_model")
     cache = _h2o_cache(model, draft, h2o_config, kwargs)
-    prompt = _previewed(model, tokenizer, prompt, cache, draft)
+    prompt = _previewed(model, tokenizer, prompt, cache, draft,
+                        kwargs.get("prefill_step_size", 2048))
     responses = mlx_lm.stream_generate(
         model, tokenizer, prompt, max_tokens=max_tokens, prompt_cache=cache, **kwargs
     )
@@ -97,7 +98,8 @@ def generate(
     """``mlx_lm.generate`` with H2O caches (see ``stream_generate``)."""
     draft = kwargs.get("draft_model")
     cache = _h2o_cache(model, draft, h2o_config, kwargs)
-    prompt = _previewed(model, tokenizer, prompt, cache, draft)
+    prompt = _previewed(model, tokenizer, prompt, cache, draft,
+                        kwargs.get("prefill_step_size", 2048))
     with patch():
         return mlx_lm.generate(
             model, tokenizer, prompt, verbose=verbose, prompt_cache=cache, **kwargs

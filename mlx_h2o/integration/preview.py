@@ -9,7 +9,7 @@ the end itself, not the text before it, so they approximate the queries the
 prefill will compute; the real ones take over when the end arrives.
 """
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -43,12 +43,16 @@ def preview_window(cache: Sequence) -> int:
     return max(windows, default=0)
 
 
-def preview_prompt(model, cache: List, prompt) -> None:
-    """Give ``cache`` (``model``'s per-layer caches, empty) the queries of
-    the ``prompt``'s (token ids: (L,) or (B, L)) last tokens before it is
-    prefilled. Nothing to do unless a layer's cache wants a preview
-    (``prefill_compact="preview"``) and the prompt is longer than the window.
+def preview_prompt(model, cache: List, prompt, prefill_step: Optional[int] = None) -> None:
+    """Give ``cache`` (``model``'s per-layer caches) the queries of the last
+    tokens of ``prompt`` (token ids, (L,) or (B, L), about to be fed after
+    what the caches hold) before it is prefilled.
 
+    Nothing to do unless a layer's cache wants a preview
+    (``prefill_compact="preview"``), the prompt is longer than its window
+    and than what one chunk holds: with ``prefill_step`` (the prefill's
+    chunk; mlx-lm feeds a prompt's last token on its own) a prompt of at
+    most ``prefill_step + 1`` tokens is one chunk, which holds its end.
     Every layer's cache must take a preview pass: a model with a cache other
     than an H2O one (a recurrent layer's state) is left without a preview.
     """
@@ -58,12 +62,10 @@ def preview_prompt(model, cache: List, prompt) -> None:
     if tokens.ndim != 2:
         raise ValueError(f"prompt must be token ids of shape (L,) or (B, L), got {tokens.shape}")
     W, L = preview_window(cache), tokens.shape[1]
-    if W == 0 or L <= W or not all(hasattr(c, "set_preview") for c in cache):
+    one_chunk = prefill_step is not None and L - 1 <= prefill_step
+    if W == 0 or L <= W or one_chunk or not all(hasattr(c, "set_preview") for c in cache):
         return
-    if any(c.offset for c in cache):
-        raise ValueError("preview_prompt needs an empty cache: preview a prompt before "
-                         "any of it is prefilled")
-    layers = [PreviewLayer(c, L - W) for c in cache]
+    layers = [PreviewLayer(c, c.offset + L - W) for c in cache]
     body = getattr(model, "model", model)  # the transformer, without the LM head
     with patch():
         out = body(tokens[:, L - W:], cache=layers)
