@@ -289,8 +289,10 @@ def run_stream(s: Stream) -> dict:
 
 
 def streams():
-    # Streams pin the scoring they were written for, whatever the library defaults.
-    C = functools.partial(H2OConfig, score="ema", prefill_window=0, prefill_pool=0)
+    # Streams pin the scoring they were written for, whatever the library
+    # defaults, and the Swift port's prompt rule ("chunk": it runs no preview).
+    C = functools.partial(H2OConfig, score="ema", prefill_window=0, prefill_pool=0,
+                          prefill_compact="chunk")
     decode = lambda k: (1,) * k
     return [
         Stream(
@@ -400,6 +402,7 @@ def config_cases() -> dict:
     cases = []
     for kw in CONFIG_CASES:
         args = dict(kw, pinned=tuple(tuple(r) for r in kw.get("pinned", ())))
+        args.setdefault("prefill_compact", "chunk")  # the Swift port's rule
         try:
             d = config_to_dict(H2OConfig(**args))
             # "json": the text H2OKVCache.meta_state carries (Swift writes the same).
