@@ -256,3 +256,15 @@ def test_config_and_cli_take_the_preview_mode():
     assert config_from_dict(config_to_dict(cfg)) == cfg
     with pytest.raises(ValueError, match="prefill_compact"):
         H2OConfig(max_size=16, prefill_compact="previews")
+
+
+def test_a_trim_forgets_the_preview():
+    model = tiny_llama()
+    cache = make_h2o_cache(model, H2OConfig(max_size=16, prefill_window=8))
+    preview_prompt(model, cache, mx.arange(60) % VOCAB)
+    with mlx_h2o.patch():
+        model(mx.arange(20)[None] % VOCAB, cache=cache)  # a first chunk, then trimmed away
+    assert all(c.preview is not None for c in cache)
+    for c in cache:
+        c.trim(5)
+    assert all(c.preview is None for c in cache)

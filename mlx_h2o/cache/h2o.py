@@ -261,6 +261,7 @@ class H2OKVCache(SlotCore, _BaseCache):
         tokens may hold different numbers of them; every row then keeps its
         best ``k`` slots, ``k`` the fewest any row has left: an eviction."""
         n = max(0, min(int(n), self.offset))
+        self.preview = None  # previewed for a prompt the trim (or a recovery) abandons
         if n == 0:
             return 0
         self.settle()
