@@ -68,6 +68,21 @@ def test_decode_protocol_matches_full_forward(llama):
     assert mx.allclose(nll, ref, atol=1e-4).item()
 
 
+@pytest.mark.parametrize("step", [5, 8, 10, 20])
+def test_a_prefill_in_steps_is_the_prefill_in_one(llama, step):
+    toks = tokens()
+    one = ppl.decode_nll(llama, toks, parse_strategy("baseline").make_cache(llama, 0), 20)
+    steps = ppl.decode_nll(llama, toks, parse_strategy("baseline").make_cache(llama, 0), 20,
+                           prefill_step=step)
+    assert mx.allclose(steps, one, atol=1e-4).item()
+    # Bounded: steps shorter than the prompt are chunks compacted before its
+    # end (its first step already overflows the 12-token budget).
+    h2o = parse_strategy("h2o-heavy:prefill_compact=chunk")
+    bounded = [ppl.decode_nll(llama, toks, h2o.make_cache(llama, 12), 20, prefill_step=s)
+               for s in (step, 0)]
+    assert mx.allclose(bounded[0], bounded[1], atol=1e-4).item() == (step >= 20)
+
+
 @pytest.mark.parametrize("mode", ["decode", "chunked"])
 def test_bounded_strategies_equal_baseline_within_budget(llama, mode):
     toks = tokens()
