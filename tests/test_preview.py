@@ -268,3 +268,114 @@ def test_a_trim_forgets_the_preview():
     for c in cache:
         c.trim(5)
     assert all(c.preview is None for c in cache)
+
+
+# --- batch rows (the server) ------------------------------------------------------------
+def _previewed_singles(model, config, prompts, step):
+    singles = [make_h2o_cache(model, config, layer_budget="uniform") for _ in prompts]
+    for cache, p in zip(singles, prompts):
+        preview_prompt(model, cache, p, step)
+    return singles
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("score", ["accumulated", "normalized"])
+def test_previewed_rows_hold_what_previewed_single_caches_hold(arch, score):
+    from test_batch_cache import (batch_decode, batch_prefill, check_invariants as rows_ok,
+                                  held, rows_held)
+
+    model, chunk_len = BUILDERS[arch](), 9
+    config = H2OConfig(max_size=12, sink_size=2, heavy_budget=6, prefill_window=4,
+                       prefill_pool=3, score=score)
+    prompts = [np.random.default_rng(b).integers(2, VOCAB, n).tolist()
+               for b, n in enumerate((3, 31, 19, 40))]
+    singles = _previewed_singles(model, config, prompts, chunk_len)
+    assert [any(c.preview is not None for c in s) for s in singles] == [False, True, True, True]
+    batch = [mlx_h2o.cache.batch_cache.BatchH2OKVCache.merge(list(layer))
+             for layer in zip(*singles)]
+    L = max(len(p) for p in prompts)
+    tokens = mx.array([p + [0] * (L - len(p)) for p in prompts])
+    with mlx_h2o.patch():
+        for c in batch:
+            c.prepare(lengths=[len(p) for p in prompts],
+                      right_padding=[L - len(p) for p in prompts])
+        for s in range(0, L, chunk_len):
+            model(tokens[:, s:s + chunk_len], cache=batch)
+        for c in batch:
+            c.finalize()
+    assert all(p is None for c in batch for p in c.previews)  # every end has arrived
+    rows_ok(batch)
+    batch_decode(model, batch, [[5, 6, 7]] * len(prompts))
+    for b, p in enumerate(prompts):
+        ref = _previewed_singles(model, config, [p], chunk_len)[0]
+        with mlx_h2o.patch():
+            for s in range(0, len(p), chunk_len):
+                model(mx.array([p[s:s + chunk_len]]), cache=ref)
+            for t in (5, 6, 7):
+                model(mx.array([[t]]), cache=ref)
+        assert rows_held(batch, len(prompts))[b] == held(ref), f"row {b}"
+    # Without previews the rows keep other tokens: the comparison can fail.
+    plain = batch_prefill(model, config, prompts, chunk_len)
+    batch_decode(model, plain, [[5, 6, 7]] * len(prompts))
+    assert rows_held(plain, len(prompts)) != rows_held(batch, len(prompts))
+
+
+def test_rows_carry_their_previews_through_filter_extend_and_extract():
+    from mlx_h2o.cache.batch_cache import BatchH2OKVCache
+
+    model = tiny_llama()
+    config = H2OConfig(max_size=12, sink_size=2, heavy_budget=6, prefill_window=4)
+    prompts = [list(range(2, 2 + n)) for n in (30, 3, 25)]
+    singles = _previewed_singles(model, config, prompts, None)
+    batch = BatchH2OKVCache.merge([s[0] for s in singles])
+    starts = [None if p is None else p[1] for p in batch.previews]
+    assert starts == [26, None, 21]
+    batch.filter([2, 0])
+    assert [p[1] for p in batch.previews] == [21, 26]
+    batch.extend(BatchH2OKVCache.merge([singles[1][0]]))
+    assert [None if p is None else p[1] for p in batch.previews] == [21, 26, None]
+    out = batch.extract(1)
+    assert out.preview_from == 26 and out.preview.shape == singles[0][0].preview.shape
+
+
+def test_the_server_previews_each_prompt_before_its_batch():
+    from mlx_h2o.integration.serve import StatsTracker, _batch_generator
+    from mlx_h2o.integration.serving import use_h2o_caches
+
+    model, step = tiny_llama(), 8
+    config = H2OConfig(max_size=12, sink_size=2, heavy_budget=6, prefill_window=4)
+    # Seeded prompts whose previews change what a row keeps (checked below).
+    prompts = [np.random.default_rng(2 + b).integers(2, VOCAB, n).tolist()
+               for b, n in enumerate((26, 5, 33))]
+    results = {}
+    with use_h2o_caches(config):
+        gen = _batch_generator(StatsTracker())(model, prefill_step_size=step,
+                                               completion_batch_size=3, prefill_batch_size=3)
+        uids = gen.insert(prompts, [4, 4, 4])
+        pending = list(gen._unprocessed_sequences)
+        assert [e[3][0].preview is not None for e in pending] == [True, False, True]
+        for _ in range(100):
+            for r in gen.next()[1]:
+                if r.finish_reason is not None:
+                    results[r.uid] = (r.all_tokens, r.prompt_cache)
+            if len(results) == len(prompts):
+                break
+        gen.close()
+    from test_batch_cache import held
+
+    def single(p, tokens, preview):
+        ref = (_previewed_singles(model, config, [p], step)[0] if preview else
+               make_h2o_cache(model, config, layer_budget="uniform"))
+        with mlx_h2o.patch():
+            for s in range(0, len(p) - 1, step):
+                model(mx.array([p[s:min(s + step, len(p) - 1)]]), cache=ref)
+            for t in tokens[len(p) - 1:]:
+                model(mx.array([[t]]), cache=ref)
+        return held(ref)
+
+    differ = False
+    for uid, p in zip(uids, prompts):
+        tokens, cache = results[uid]
+        assert held(cache) == single(p, tokens, True), f"uid {uid}"
+        differ |= held(cache) != single(p, tokens, False)
+    assert differ  # the previews changed what was kept: the comparison can fail

@@ -29,6 +29,7 @@ import numpy as np
 
 from .. import policy
 from ..config import H2OConfig, config_from_dict, config_to_dict
+from . import chunk
 from .batch_rows import BatchRows, row_ints
 from .chunk import chunk_call
 from .core import EMPTY, SlotCore
@@ -93,6 +94,7 @@ class BatchH2OKVCache(BatchRows, SlotCore):
         mask = self.mask_for(call.length, mask, call.qpos, heads)
         out, exact, expected, windowed = self.chunk_attention(queries, keys, values, scale,
                                                               mask, sinks, call)
+        exact = self._with_previews(call, exact, keys, values, queries.dtype, scale, sinks)
         self.fold_chunk(call, exact, expected)
         self._compact([b for b, p in enumerate(call.plans) if p.compact])
         self._pack()
@@ -104,6 +106,29 @@ class BatchH2OKVCache(BatchRows, SlotCore):
         # forward pass, every layer's chunk K/V and mask would be alive at once
         # (a prefill peak above BatchKVCache's).
         return mx.depends(out, [*self.kv.fetch(self.slots_used), *self.slot_metadata()])
+
+    def _with_previews(self, call, exact, keys, values, dtype, scale, sinks):
+        """``exact`` plus, on the rows whose chunk is compacted before their
+        previewed end arrives, their preview's columns (H2OKVCache's rule);
+        a row whose end has arrived forgets its preview."""
+        self.previews = [None if p is None or s > p[1] else p
+                         for p, s in zip(self.previews, self.seen)]
+        rows = [b for b, (p, plan) in enumerate(zip(self.previews, call.plans))
+                if p is not None and plan.compact]
+        if not rows or exact is None:
+            return exact
+        blank = mx.zeros_like(self.previews[rows[0]][0])
+        q = mx.concatenate([p[0] if b in rows else blank
+                            for b, p in enumerate(self.previews)], axis=0)
+        n, W = self.slots_used, q.shape[2]
+        held = self.positions[..., :n] >= 0  # (B, Hk, N): empty slots hidden
+        mask = mx.broadcast_to(held[:, :, None, :], (*held.shape[:2], W, n))
+        step, seen = chunk.with_preview(self.config.score, self._positions.shape[1], exact,
+                                        q, self.kv.dense(keys, values, dtype), scale, sinks,
+                                        mask)
+        on = self._row_mask(rows)
+        return (None if step is None else mx.where(on, step, exact[0]),
+                mx.where(on, seen, exact[1]))
 
     def _attend_decode(self, queries, keys, values, scale, mask, sinks, step):
         """One token per row: the fused kernels on a GPU, else the compiled

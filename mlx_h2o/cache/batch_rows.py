@@ -35,9 +35,11 @@ def row_ints(values: tuple, ndim: int = 1, dtype=mx.int32) -> mx.array:
 class BatchRows:
     """Row bookkeeping of BatchH2OKVCache."""
 
-    def _set_rows(self, seen, kept, left, valid: Optional[List[int]]):
+    def _set_rows(self, seen, kept, left, valid: Optional[List[int]], previews=None):
         self.seen, self.kept, self.left = list(seen), list(kept), list(left)
         self.valid = None if valid is None else list(valid)
+        # Each row's (queries, first position) of its prompt's end, seen ahead.
+        self.previews = [None] * len(self.seen) if previews is None else list(previews)
         self._sync_offset()
 
     def _sync_offset(self):
@@ -97,7 +99,7 @@ class BatchRows:
         self.next_victim = None
         pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
         self._set_rows(pick(self.seen), pick(self.kept), pick(self.left),
-                       None if self.valid is None else pick(self.valid))
+                       None if self.valid is None else pick(self.valid), pick(self.previews))
         self._pack()
 
     def extend(self, other):
@@ -115,7 +117,7 @@ class BatchRows:
             valid = ((self.valid or [0] * len(self.seen))
                      + (other.valid or [0] * len(other.seen)))
         self._set_rows(self.seen + other.seen, self.kept + other.kept,
-                       self.left + other.left, valid)
+                       self.left + other.left, valid, self.previews + other.previews)
         self.token_bytes = self.token_bytes or other.token_bytes
 
     # --- merging single caches --------------------------------------------------------
@@ -140,7 +142,9 @@ class BatchRows:
         sizes = [c.size() for c in caches]
         if max(sizes, default=0):
             batch.state = _stacked(states, sizes)
-        batch._set_rows([c.offset for c in caches], sizes, [0] * len(caches), None)
+        batch._set_rows([c.offset for c in caches], sizes, [0] * len(caches), None,
+                        [None if c.preview is None else (c.preview, c.preview_from)
+                         for c in caches])
         batch.token_bytes = max(c.token_bytes for c in caches) * len(caches)
         return batch
 
@@ -151,12 +155,14 @@ class BatchRows:
         template = H2OKVCache(self.config, self.window_size)
         template.model_name = self.model_name
         template.offset, template.evicted = seen, seen - k
-        if self.empty() or k == 0:
-            return template
-        row = [a[idx : idx + 1] for a in self.state]
-        slots = policy.packed_order(row[2], k)
-        state = [take_slots(a, slots, self.slots_used) for a in row]
-        return H2OKVCache.from_state(state, template.meta_state)
+        if not (self.empty() or k == 0):
+            row = [a[idx : idx + 1] for a in self.state]
+            slots = policy.packed_order(row[2], k)
+            state = [take_slots(a, slots, self.slots_used) for a in row]
+            template = H2OKVCache.from_state(state, template.meta_state)
+        if self.previews[idx] is not None:
+            template.set_preview(*self.previews[idx])
+        return template
 
 
 def _stacked(states, sizes):

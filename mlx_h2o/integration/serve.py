@@ -24,6 +24,7 @@ from ..config import H2OConfig
 from ..profiles import PACKAGED_ATTR
 from .guarded_generator import GuardedResponseGenerator
 from .guarded_handler import GuardedAPIHandler, serve_http
+from .preview import preview_prompt
 from .served import ServedModel, ServerLimits
 from .serving import use_h2o_caches
 from .stats import cache_stats
@@ -102,6 +103,11 @@ def _batch_generator(tracker: StatsTracker):
         def insert_segments(self, *args, **kwargs):
             uids = super().insert_segments(*args, **kwargs)
             tracker.bind(uids)
+            # Each new prompt's end, seen ahead by its own caches (merged
+            # into the batch's rows with them): integration/preview.py.
+            for _, segments, _, cache, *_ in list(self._unprocessed_sequences)[-len(uids):]:
+                preview_prompt(self.model, cache, [t for s in segments for t in s],
+                               self.prefill_step_size)
             return uids
 
         def _next(self):
@@ -124,6 +130,10 @@ def _stream_generate(tracker: StatsTracker, stream_generate):
 
     def tracked(*args, **kwargs):
         ctx, cache = tracker.current, kwargs.get("prompt_cache")
+        model = kwargs.get("model")
+        if cache is not None and model is not None and kwargs.get("input_embeddings") is None:
+            preview_prompt(model, cache[: len(model.layers)], kwargs["prompt"],
+                           kwargs.get("prefill_step_size", 2048))
         try:
             for response in stream_generate(*args, **kwargs):
                 tracker.record(ctx, cache, log=False)  # cheap: sizes, no device work
