@@ -379,3 +379,25 @@ def test_the_server_previews_each_prompt_before_its_batch():
         assert held(cache) == single(p, tokens, True), f"uid {uid}"
         differ |= held(cache) != single(p, tokens, False)
     assert differ  # the previews changed what was kept: the comparison can fail
+
+
+def test_the_servers_one_at_a_time_path_previews_too():
+    from mlx_h2o.integration.serve import StatsTracker, _stream_generate
+
+    model = tiny_llama()
+    cache = make_h2o_cache(model, H2OConfig(max_size=12, prefill_window=4))
+    seen = []
+
+    def stream_generate(**kwargs):  # mlx-lm's, as the server calls it
+        seen.append([c.preview_from if c.preview is not None else None
+                     for c in kwargs["prompt_cache"]])
+        yield from ()
+
+    tracked = _stream_generate(StatsTracker(), stream_generate)
+    list(tracked(model=model, tokenizer=None, prompt=list(range(2, 40)),
+                 prompt_cache=cache, prefill_step_size=8))
+    assert seen == [[34] * len(cache)]
+    short = make_h2o_cache(model, H2OConfig(max_size=12, prefill_window=4))
+    list(tracked(model=model, tokenizer=None, prompt=list(range(2, 11)), prompt_cache=short,
+                 prefill_step_size=8))  # one prefill chunk: nothing to preview
+    assert seen[-1] == [None] * len(short)
