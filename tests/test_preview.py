@@ -336,6 +336,8 @@ def test_rows_carry_their_previews_through_filter_extend_and_extract():
     assert [None if p is None else p[1] for p in batch.previews] == [21, 26, None]
     out = batch.extract(1)
     assert out.preview_from == 26 and out.preview.shape == singles[0][0].preview.shape
+    batch.trim(0)
+    assert batch.previews == [None] * 3
 
 
 def test_the_server_previews_each_prompt_before_its_batch():

@@ -164,6 +164,7 @@ class BatchH2OKVCache(BatchRows, SlotCore):
         for one sequence (exact: ``offset`` drops by n, each row keeps its best
         held tokens below it). ``n`` is capped at the fewest tokens a row has."""
         n = max(0, min(int(n), min(self.seen, default=0)))
+        self.previews = [None] * len(self.seen)  # for prompts the trim abandons
         if n == 0 or self.empty():
             return 0
         keep, k = self.trim_keep(self._seen_rows(-n), per_row=True)
