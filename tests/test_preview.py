@@ -13,6 +13,7 @@ from tiny_models import BUILDERS, VOCAB, tiny_gemma3, tiny_llama
 import mlx_h2o
 from mlx_h2o import H2OConfig, H2OKVCache, make_h2o_cache, preview_prompt
 from mlx_h2o.cache import chunk
+from mlx_h2o.cache.storage import DenseKV
 from mlx_h2o.config import config_from_dict, config_to_dict
 from mlx_h2o.integration.preview import preview_window
 from mlx_h2o.scores import SCORE_MODES, score_mode
@@ -42,9 +43,9 @@ def test_preview_columns_match_float64(mode, hq, hk, with_sinks):
     held = (rng.random((B, hk, N)), rng.integers(0, 4, (B, hk, N)).astype(float))
     scale = D ** -0.5
     step, seen = chunk.with_preview(
-        mode, hk, tuple(mx.array(a.astype(np.float32)) for a in held),
-        mx.array(q.astype(np.float32)),
-        (mx.array(k.astype(np.float32)), mx.array(v.astype(np.float32))), scale,
+        DenseKV(), mode, hk, tuple(mx.array(a.astype(np.float32)) for a in held),
+        mx.array(q.astype(np.float32)), mx.array(k.astype(np.float32)),
+        mx.array(v.astype(np.float32)), scale,
         None if sinks is None else mx.array(sinks.astype(np.float32)))
     logits = scale * q @ np.repeat(k, hq // hk, axis=1).swapaxes(-1, -2)  # (B, hq, W, N)
     spec = score_mode(mode)
@@ -403,3 +404,23 @@ def test_the_servers_one_at_a_time_path_previews_too():
     list(tracked(model=model, tokenizer=None, prompt=list(range(2, 11)), prompt_cache=short,
                  prefill_step_size=8))  # one prefill chunk: nothing to preview
     assert seen[-1] == [None] * len(short)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_cache_scores_its_preview_through_its_own_attention(bits):
+    from mlx_h2o.cache import QuantConfig, QuantizedH2OKVCache
+
+    cfg = H2OConfig(**{**CFG, "max_size": 64, "prefill_compact": "preview"})
+    cache = QuantizedH2OKVCache(cfg, quant=QuantConfig(bits, 32))
+    rng = np.random.default_rng(bits)
+    k, v = (mx.array(rng.standard_normal((1, 1, 40, 32)).astype(np.float32)) for _ in "kv")
+    keys, values = cache.update_and_fetch(k, v)
+    q = mx.array(rng.standard_normal((1, 2, 4, 32)).astype(np.float32))
+    zero = (mx.zeros((1, 1, 40)), mx.zeros((1, 1, 40)))
+    got = chunk.with_preview(cache.kv, "accumulated", 1, zero, q, keys, values, 32 ** -0.5,
+                             None)
+    dense = cache.kv.dense(keys, values, mx.float32)
+    want = chunk.with_preview(DenseKV(), "accumulated", 1, zero, q, *dense, 32 ** -0.5, None)
+    # The storage's attention reads the codes the dequantized copy was made from.
+    np.testing.assert_allclose(np.array(got[0]), np.array(want[0]), rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(np.array(got[1]), np.array(want[1]))

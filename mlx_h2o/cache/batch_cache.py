@@ -94,7 +94,7 @@ class BatchH2OKVCache(BatchRows, SlotCore):
         mask = self.mask_for(call.length, mask, call.qpos, heads)
         out, exact, expected, windowed = self.chunk_attention(queries, keys, values, scale,
                                                               mask, sinks, call)
-        exact = self._with_previews(call, exact, keys, values, queries.dtype, scale, sinks)
+        exact = self._with_previews(call, exact, keys, values, scale, sinks)
         self.fold_chunk(call, exact, expected)
         self._compact([b for b, p in enumerate(call.plans) if p.compact])
         self._pack()
@@ -107,7 +107,7 @@ class BatchH2OKVCache(BatchRows, SlotCore):
         # (a prefill peak above BatchKVCache's).
         return mx.depends(out, [*self.kv.fetch(self.slots_used), *self.slot_metadata()])
 
-    def _with_previews(self, call, exact, keys, values, dtype, scale, sinks):
+    def _with_previews(self, call, exact, keys, values, scale, sinks):
         """``exact`` plus, on the rows whose chunk is compacted before their
         previewed end arrives, their preview's columns (H2OKVCache's rule);
         a row whose end has arrived forgets its preview."""
@@ -123,9 +123,8 @@ class BatchH2OKVCache(BatchRows, SlotCore):
         n, W = self.slots_used, q.shape[2]
         held = self.positions[..., :n] >= 0  # (B, Hk, N): empty slots hidden
         mask = mx.broadcast_to(held[:, :, None, :], (*held.shape[:2], W, n))
-        step, seen = chunk.with_preview(self.config.score, self._positions.shape[1], exact,
-                                        q, self.kv.dense(keys, values, dtype), scale, sinks,
-                                        mask)
+        step, seen = chunk.with_preview(self.kv, self.config.score, self._positions.shape[1],
+                                        exact, q, keys, values, scale, sinks, mask)
         on = self._row_mask(rows)
         return (None if step is None else mx.where(on, step, exact[0]),
                 mx.where(on, seen, exact[1]))

@@ -141,14 +141,14 @@ def fold(config, call: ChunkCall, score, count, positions, exact, expected):
     return score, count
 
 
-def with_preview(mode: str, n_kv_heads: int, exact, preview, dense, scale, sinks,
-                 mask=None):
+def with_preview(kv, mode: str, n_kv_heads: int, exact, preview, keys, values, scale,
+                 sinks, mask=None):
     """``exact`` (step, seen) plus the columns of ``preview`` (B, Hq, W, D):
-    queries of positions after every slot of ``dense`` (keys, values), which
+    queries of positions after every fetched slot (``keys``, ``values`` as
+    the storage ``kv`` fetched them, attended by its own attention), which
     they all see but the slots ``mask`` (B, Hk, W, N) hides (a batch's empty
     ones; H2OKVCache.set_preview)."""
-    _, logits, lse = scaled_dot_product_attention_with_scores(preview, *dense, scale=scale,
-                                                              mask=mask, sinks=sinks)
+    _, logits, lse = kv.attention(preview, keys, values, scale=scale, mask=mask, sinks=sinks)
     step, seen = policy.call_columns(mode, logits, lse, n_kv_heads)
     return (None if step is None else exact[0] + step), exact[1] + seen
 

@@ -217,9 +217,8 @@ class H2OKVCache(SlotCore, _BaseCache):
         if self.preview is not None and self.offset > self.preview_from:
             self.preview = None  # the prompt's end is here: its own queries score
         if self.preview is not None and call.plans[0].compact and exact is not None:
-            dense = self.kv.dense(keys, values, queries.dtype)
-            exact = chunk.with_preview(self.config.score, self._positions.shape[1], exact,
-                                       self.preview, dense, scale, sinks)
+            exact = chunk.with_preview(self.kv, self.config.score, self._positions.shape[1],
+                                       exact, self.preview, keys, values, scale, sinks)
         self.fold_chunk(call, exact, expected)
         if call.plans[0].compact:  # "prompt" waits for the first decode step
             self._compact()

@@ -74,7 +74,7 @@ def _prefill(model, tokens, cache, args) -> None:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from ..integration.preview import preview_prompt
+    from ..integration.preview import MLX_LM_PREFILL_STEP, preview_prompt
     from ..integration.routing import patch
 
     start, width = time.time(), 0
@@ -85,7 +85,7 @@ def _prefill(model, tokens, cache, args) -> None:
         width = max(width, len(msg))
         print(msg.ljust(width), end="", flush=True)
 
-    preview_prompt(model, cache, tokens, 2048)  # generate_step's prefill step
+    preview_prompt(model, cache, tokens, MLX_LM_PREFILL_STEP)  # generate_step's own
     steps = generate_step(mx.array(tokens), model, max_tokens=0, prompt_cache=cache,
                           kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                           quantized_kv_start=args.quantized_kv_start,

@@ -9,7 +9,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..config import H2OConfig
 from .factory import make_h2o_cache
-from .preview import preview_prompt, preview_window
+from .preview import MLX_LM_PREFILL_STEP, preview_prompt, preview_window
 from .routing import patch
 
 
@@ -75,7 +75,7 @@ def stream_generate(
     draft = kwargs.get("draft_model")
     cache = _h2o_cache(model, draft, h2o_config, kwargs)
     prompt = _previewed(model, tokenizer, prompt, cache, draft,
-                        kwargs.get("prefill_step_size", 2048))
+                        kwargs.get("prefill_step_size", MLX_LM_PREFILL_STEP))
     responses = mlx_lm.stream_generate(
         model, tokenizer, prompt, max_tokens=max_tokens, prompt_cache=cache, **kwargs
     )
@@ -99,7 +99,7 @@ def generate(
     draft = kwargs.get("draft_model")
     cache = _h2o_cache(model, draft, h2o_config, kwargs)
     prompt = _previewed(model, tokenizer, prompt, cache, draft,
-                        kwargs.get("prefill_step_size", 2048))
+                        kwargs.get("prefill_step_size", MLX_LM_PREFILL_STEP))
     with patch():
         return mlx_lm.generate(
             model, tokenizer, prompt, verbose=verbose, prompt_cache=cache, **kwargs

@@ -9,11 +9,16 @@ the end itself, not the text before it, so they approximate the queries the
 prefill will compute; the real ones take over when the end arrives.
 """
 
+import inspect
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
+from mlx_lm.generate import generate_step
 
 from .routing import patch
+
+# The prefill step of mlx-lm's generate_step when a caller passes none.
+MLX_LM_PREFILL_STEP = inspect.signature(generate_step).parameters["prefill_step_size"].default
 
 
 class PreviewLayer:

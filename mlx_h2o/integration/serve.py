@@ -24,7 +24,7 @@ from ..config import H2OConfig
 from ..profiles import PACKAGED_ATTR
 from .guarded_generator import GuardedResponseGenerator
 from .guarded_handler import GuardedAPIHandler, serve_http
-from .preview import preview_prompt
+from .preview import MLX_LM_PREFILL_STEP, preview_prompt
 from .served import ServedModel, ServerLimits
 from .serving import use_h2o_caches
 from .stats import cache_stats
@@ -133,7 +133,7 @@ def _stream_generate(tracker: StatsTracker, stream_generate):
         model = kwargs.get("model")
         if cache is not None and model is not None and kwargs.get("input_embeddings") is None:
             preview_prompt(model, cache[: len(model.layers)], kwargs["prompt"],
-                           kwargs.get("prefill_step_size", 2048))
+                           kwargs.get("prefill_step_size", MLX_LM_PREFILL_STEP))
         try:
             for response in stream_generate(*args, **kwargs):
                 tracker.record(ctx, cache, log=False)  # cheap: sizes, no device work
