@@ -55,16 +55,16 @@ class H2OConfig:
       - ``"preview"`` (the default): as ``"chunk"``, and every chunk
         compacted before the prompt's end arrives is scored by the end's
         queries too, seen ahead: ``mlx_h2o.preview_prompt`` runs the
-        prompt's last ``prefill_window`` tokens through the model alone, at
-        their own positions, before the prefill (mlx_h2o's generate and
+        prompt's last 128 tokens through the model alone, at their own
+        positions, before the prefill (mlx_h2o's generate and
         stream_generate, ``mlx-h2o generate`` / ``chat`` / ``cache_prompt``,
         the server and the evaluation commands call it), and
-        each overflowing chunk adds those queries' attention to its window's.
-        Those queries saw only the prompt's end, not the text before it: an
-        approximation of the real ones, which take over when the end
-        arrives. Memory as under ``"chunk"``; cost: one forward pass of
-        ``prefill_window`` tokens and their attention over each compacted
-        chunk. Without a preview (a cache fed directly) it is ``"chunk"``.
+        each overflowing chunk adds the attention of their last
+        ``prefill_window`` queries to its window's. Those queries saw only
+        the prompt's end, not the text before it: an approximation of the
+        real ones, which take over when the end arrives. Memory as under
+        ``"chunk"``; cost: one forward pass of 128 tokens and
+        ``prefill_window`` queries' attention over each compacted chunk. Without a preview (a cache fed directly) it is ``"chunk"``.
         Measured in docs/RESULTS.md.
     In every mode the newest window decides what stays
     (``policy.window_replaces``): a chunk of L >= ``prefill_window`` that

@@ -145,21 +145,24 @@ def _shifted(attn, queries, by: int):
                            for i in range(queries.shape[2])], axis=2)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_preview_prompt_gives_each_layer_the_ends_queries_at_their_positions(arch):
+@pytest.mark.parametrize("arch,read", [("llama", 20), ("qwen3", 20), ("llama", 8), ("llama", 3)])
+def test_preview_prompt_gives_each_layer_the_ends_queries_at_their_positions(
+        arch, read, monkeypatch):
+    monkeypatch.setattr(mlx_h2o.integration.preview, "PREVIEW_TOKENS", read)
     model = BUILDERS[arch]()
     L, W = 50, 8
+    P = max(read, W)  # the pass reads at least the window
     tokens = mx.random.randint(0, VOCAB, (2, L), key=mx.random.key(1))
     cache = make_h2o_cache(model, H2OConfig(max_size=16, prefill_window=W,
                                             prefill_compact="preview"))
     preview_prompt(model, cache, tokens)
     # The end's hidden states do not depend on where it sits (attention
-    # among its own tokens is relative): the queries of the same tokens from
-    # position 0, rotated on by L - W, are the preview's.
-    alone = _recorded_queries(model, tokens[:, L - W:])
+    # among its own tokens is relative): the last W queries of the last P
+    # tokens run from position 0, rotated on by L - P, are the preview's.
+    alone = _recorded_queries(model, tokens[:, L - P:])
     for layer, c, q0 in zip(model.layers, cache, alone):
-        assert c.preview_from == L - W
-        want = _shifted(layer.self_attn, q0, L - W)
+        assert c.preview_from == L - W and c.preview.shape[2] == W
+        want = _shifted(layer.self_attn, q0, L - P)[:, :, -W:]
         np.testing.assert_allclose(np.array(c.preview), np.array(want), rtol=1e-4, atol=1e-4)
 
 
