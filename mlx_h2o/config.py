@@ -5,7 +5,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from .scores import SCORE_MODES
 
-PREFILL_COMPACT = ("chunk", "prompt", "preview")
+PREFILL_COMPACT = ("chunk", "prompt", "preview", "two_pass")
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,17 @@ class H2OConfig:
         the prompt's end, not the text before it: an approximation of the
         real ones, which take over when the end arrives. Memory as under
         ``"chunk"``; cost: one forward pass of 128 tokens and
-        ``prefill_window`` queries' attention over each compacted chunk. Without a preview (a cache fed directly) it is ``"chunk"``.
+        ``prefill_window`` queries' attention over each compacted chunk.
+        Without a preview (a cache fed directly) it is ``"chunk"``.
         Measured in docs/RESULTS.md.
+      - ``"two_pass"``: as ``"preview"``, with the end's queries taken from
+        a first prefill of the whole prompt (into copies of the caches,
+        bounded as they are, scored by the read-ahead preview): the real
+        queries, computed in a compacted context instead of the end alone.
+        The first pass holds what ``"chunk"`` holds, in copies freed before
+        the second, so the peak is ``"chunk"``'s plus what the caches held
+        before the prompt; cost: the prompt prefilled twice
+        (``preview_prompt`` runs the first pass).
     In every mode the newest window decides what stays
     (``policy.window_replaces``): a chunk of L >= ``prefill_window`` that
     overflows the budget while the cache already holds ``max_size`` tokens
@@ -85,8 +94,8 @@ class H2OConfig:
     the budget (11 positions kept the first digits of a number and lost the
     rest); TOVA matched it on the evaluation set but has no kernel branch,
     key-norm and expected attention kept fewer retrieval answers; the
-    ``"preview"`` prompt rule kept 28 of the 33 answers that ``"prompt"``
-    keeps at 8K where ``"chunk"`` kept 21, at ``"chunk"``'s memory. The paper's
+    ``"preview"`` prompt rule kept 68 of the 72 answers that ``"prompt"``
+    keeps at 8K where ``"chunk"`` kept 48, at ``"chunk"``'s memory. The paper's
     ``ema`` of |logit| ranks strongly negative logits as important: +4.1% PPL
     vs +1.0% (SmolLM2, max_kv 256) and 0/10 passkeys.
 

@@ -1,6 +1,8 @@
 """prefill_compact="preview": the prompt's end, run ahead through the model
 alone, scores every chunk compacted before the end arrives."""
 
+import dataclasses
+
 import mlx.core as mx
 import mlx_lm.models.base as mlx_base
 import numpy as np
@@ -221,13 +223,15 @@ def _logits(model, cache, tokens, step):
         return model(tokens[:, -1:], cache=cache)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
-def test_within_the_budget_preview_is_the_full_cache(arch):
+@pytest.mark.parametrize("arch,compact", [("llama", "preview"), ("gemma3_text", "preview"),
+                                          ("llama", "two_pass"), ("gemma3_text", "two_pass")])
+def test_within_the_budget_preview_is_the_full_cache(arch, compact):
     model = BUILDERS[arch]()
     tokens = mx.random.randint(0, VOCAB, (2, 60), key=mx.random.key(2))
     cache = make_h2o_cache(model, H2OConfig(max_size=64, prefill_window=8,
-                                            prefill_compact="preview"))
+                                            prefill_compact=compact))
     preview_prompt(model, cache, tokens)
+    assert any(c.preview is not None for c in cache)
     got = _logits(model, cache, tokens, 16)
     want = _logits(model, [KVCache() for _ in model.layers], tokens, 16)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
@@ -254,9 +258,10 @@ def test_generate_previews_a_long_prompt(monkeypatch):
     assert len(calls) == 1  # "chunk": nothing previewed
 
 
-def test_config_and_cli_take_the_preview_mode():
-    cfg = H2OConfig(max_size=16, prefill_compact="preview")
-    assert config_to_dict(cfg)["prefill_compact"] == "preview"
+@pytest.mark.parametrize("compact", ["preview", "two_pass"])
+def test_config_and_cli_take_the_preview_mode(compact):
+    cfg = H2OConfig(max_size=16, prefill_compact=compact)
+    assert config_to_dict(cfg)["prefill_compact"] == compact
     assert config_from_dict(config_to_dict(cfg)) == cfg
     with pytest.raises(ValueError, match="prefill_compact"):
         H2OConfig(max_size=16, prefill_compact="previews")
@@ -427,3 +432,59 @@ def test_a_quantized_cache_scores_its_preview_through_its_own_attention(bits):
     # The storage's attention reads the codes the dequantized copy was made from.
     np.testing.assert_allclose(np.array(got[0]), np.array(want[0]), rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(np.array(got[1]), np.array(want[1]))
+
+
+def _end_queries_of_a_stepped_prefill(model, cache, tokens, W, step, monkeypatch):
+    """Each layer's queries of the last W tokens when ``tokens`` is fed to
+    ``cache`` in chunks of ``step`` with those W as a call of their own."""
+    seen, original = {}, H2OKVCache.h2o_attention
+
+    def spy(self, queries, keys, values, **kwargs):
+        seen[id(self)] = queries
+        return original(self, queries, keys, values, **kwargs)
+
+    L = tokens.shape[1]
+    with monkeypatch.context() as m, mlx_h2o.patch():
+        m.setattr(H2OKVCache, "h2o_attention", spy)
+        for s in range(0, L - W, step):
+            model(tokens[:, s:min(s + step, L - W)], cache=cache)
+        model(tokens[:, L - W:], cache=cache)
+    return [seen[id(c)] for c in cache]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_two_pass_previews_the_ends_queries_from_a_bounded_prefill(arch, monkeypatch):
+    monkeypatch.setattr(mlx_h2o.integration.preview, "PREVIEW_TOKENS", 20)
+    model = BUILDERS[arch]()
+    L, W, step = 70, 8, 24
+    tokens = mx.random.randint(0, VOCAB, (2, L), key=mx.random.key(3))
+    config = H2OConfig(max_size=16, prefill_window=W, prefill_compact="two_pass")
+    cache = make_h2o_cache(model, config)
+    preview_prompt(model, cache, tokens, step)
+    # The first pass, by hand: fresh caches read ahead ("preview" reads the
+    # same), fed in steps, the end's queries recorded at the attention.
+    by_hand = make_h2o_cache(model, dataclasses.replace(config, prefill_compact="preview"))
+    preview_prompt(model, by_hand, tokens)
+    want = _end_queries_of_a_stepped_prefill(model, by_hand, tokens, W, step, monkeypatch)
+    assert any(c.wants_preview() for c in cache)
+    for c, q in zip(cache, want):
+        if not c.wants_preview():
+            assert c.preview is None
+            continue
+        assert c.preview_from == L - W and c.offset == 0
+        np.testing.assert_allclose(np.array(c.preview), np.array(q[:, :, -W:]),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_the_first_pass_leaves_the_caches_as_they_were():
+    model = tiny_llama()
+    cache = make_h2o_cache(model, H2OConfig(max_size=16, prefill_window=8,
+                                            prefill_compact="two_pass"))
+    with mlx_h2o.patch():
+        model(mx.random.randint(0, VOCAB, (1, 30), key=mx.random.key(4)), cache=cache)
+    before = [(c.offset, [np.array(a) for a in c.state]) for c in cache]
+    preview_prompt(model, cache, mx.arange(60) % VOCAB, 16)
+    for c, (offset, state) in zip(cache, before):
+        assert c.offset == offset and c.preview_from == offset + 60 - 8
+        for a, b in zip(c.state, state):
+            np.testing.assert_array_equal(np.array(a), b)

@@ -160,8 +160,9 @@ class H2OKVCache(SlotCore, _BaseCache):
 
     def wants_preview(self) -> bool:
         """Whether chunks are scored by the prompt's end seen ahead
-        (``prefill_compact="preview"``; a global layer's cache only)."""
-        return self.config.prefill_compact == "preview" and self.window_size is None
+        (``prefill_compact`` "preview" or "two_pass"; a global layer's cache only)."""
+        return (self.config.prefill_compact in ("preview", "two_pass")
+                and self.window_size is None)
 
     def set_preview(self, queries: mx.array, start: int) -> None:
         """The queries (B, Hq, W, D) of the prompt's tokens from position

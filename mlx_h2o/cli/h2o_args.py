@@ -89,8 +89,10 @@ def add_h2o_args(parser: argparse.ArgumentParser) -> None:
                    f"(default: {_LIB['prefill_pool']})")
     g.add_argument("--h2o-prefill-compact", choices=PREFILL_COMPACT, default=None,
                    help="Compact an overflowing prompt after each prefill chunk "
-                   "('chunk') or once, at the first decode step, scored by the last "
-                   f"chunk ('prompt'; default: {_LIB['prefill_compact']})")
+                   "('chunk'), scored also by the prompt's end read ahead ('preview') "
+                   "or by its end's queries from a first bounded prefill ('two_pass': "
+                   "the prompt prefilled twice), or once, at the first decode step, "
+                   f"scored by the last chunk ('prompt'; default: {_LIB['prefill_compact']})")
     g.add_argument("--h2o-evict-batch", type=int, default=None, metavar="K",
                    help="A full cache evicts K tokens at once, then appends "
                    "(sliding-window speed; 1 = per-step H2O; default: "

@@ -8,8 +8,14 @@ before the prefill, and hands each layer's cache the queries of the last
 then scored by them too. They saw only the end, not the text before it, so
 they approximate the queries the prefill will compute; the real ones take
 over when the end arrives.
+
+Under ``prefill_compact="two_pass"`` the prompt is first prefilled into
+copies of the caches, read ahead as above, and the queries its end computes
+there, in a compacted context, are the preview instead: the real queries of
+a bounded prefill, for the cost of a second one.
 """
 
+import copy
 import inspect
 from typing import List, Optional, Sequence
 
@@ -62,10 +68,10 @@ def preview_prompt(model, cache: List, prompt, prefill_step: Optional[int] = Non
     what the caches hold) before it is prefilled.
 
     Nothing to do unless a layer's cache wants a preview
-    (``prefill_compact="preview"``), the prompt is longer than its window
-    and than what one chunk holds: with ``prefill_step`` (the prefill's
-    chunk; mlx-lm feeds a prompt's last token on its own) a prompt of at
-    most ``prefill_step + 1`` tokens is one chunk, which holds its end.
+    (``prefill_compact`` "preview" or "two_pass"), the prompt is longer than
+    its window and than what one chunk holds: with ``prefill_step`` (the
+    prefill's chunk; mlx-lm feeds a prompt's last token on its own) a prompt
+    of at most ``prefill_step + 1`` tokens is one chunk, which holds its end.
     Every layer's cache must take a preview pass: a model with a cache other
     than an H2O one (a recurrent layer's state) is left without a preview.
     """
@@ -78,9 +84,53 @@ def preview_prompt(model, cache: List, prompt, prefill_step: Optional[int] = Non
     one_chunk = prefill_step is not None and L - 1 <= prefill_step
     if W == 0 or L <= W or one_chunk or not all(hasattr(c, "set_preview") for c in cache):
         return
+    if any(c.wants_preview() and c.config.prefill_compact == "two_pass" for c in cache):
+        _first_pass(model, cache, tokens, W, prefill_step)
+    else:
+        _read_ahead(model, cache, tokens, W)
+
+
+def _read_ahead(model, cache: List, tokens: mx.array, W: int) -> None:
+    """The prompt's last ``PREVIEW_TOKENS`` run alone; their last W queries
+    handed to ``cache``."""
+    L = tokens.shape[1]
     P = min(L, max(W, PREVIEW_TOKENS))
     layers = [PreviewLayer(c, c.offset + L - P, W) for c in cache]
     body = getattr(model, "model", model)  # the transformer, without the LM head
     with patch():
         out = body(tokens[:, L - P:], cache=layers)
     mx.eval(out, [c.preview for c in cache if c.preview is not None])
+
+
+class _Recording:
+    """A cache seen through: everything is the target's, and the last
+    ``window`` queries of its attention calls are kept."""
+
+    def __init__(self, target, window: int):
+        self.target, self.window, self.queries = target, window, None
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def h2o_attention(self, queries, keys, values, **kwargs):
+        self.queries = queries[:, :, -self.window:]
+        return self.target.h2o_attention(queries, keys, values, **kwargs)
+
+
+def _first_pass(model, cache: List, tokens: mx.array, W: int, step: Optional[int]) -> None:
+    """Prefill ``tokens`` into copies of ``cache`` (read ahead, chunks of
+    ``step``, its last W tokens a call of their own) and hand each cache the
+    queries those W tokens computed there."""
+    L, body = tokens.shape[1], getattr(model, "model", model)
+    copies = copy.deepcopy(list(cache))
+    _read_ahead(model, copies, tokens, W)
+    step = step or L
+    with patch():
+        for s in range(0, L - W, step):
+            mx.eval(body(tokens[:, s:min(s + step, L - W)], cache=copies))
+        ends = [_Recording(c, W) for c in copies]
+        mx.eval(body(tokens[:, L - W:], cache=ends))
+    for c, end in zip(cache, ends):
+        if end.queries is not None:
+            c.set_preview(end.queries, c.offset + L - W)
+    mx.eval([c.preview for c in cache if c.preview is not None])

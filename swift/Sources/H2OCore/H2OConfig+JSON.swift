@@ -8,18 +8,20 @@ extension H2OConfig {
     /// Builds a config from `config_to_dict` keys (`max_size`, `sink_size`,
     /// `heavy_budget`, `recent_budget`, `score`, `ema_alpha`, `pinned`, `step`,
     /// `prefill_window`, `prefill_pool`); missing keys take the defaults.
-    /// `prefill_compact` (Python writes it only when not "chunk") must be "chunk"
-    /// or "preview": the Swift cache compacts every prefill chunk that overflows
-    /// the budget, and without a preview pass (the Swift port has none)
-    /// "preview" is exactly that.
+    /// `prefill_compact` (Python writes it only when not "chunk") must be "chunk",
+    /// "preview" or "two_pass": the Swift cache compacts every prefill chunk that
+    /// overflows the budget, and without a preview pass (the Swift port has none)
+    /// "preview" and "two_pass" are exactly that.
     /// `evict_batch` (written only when not 1) must be 1: the Swift cache
     /// evicts one token per decode step.
     public init(dictionary d: [String: Any]) throws {
-        if let compact = d["prefill_compact"], !["chunk", "preview"].contains(compact as? String) {
+        if let compact = d["prefill_compact"],
+            !["chunk", "preview", "two_pass"].contains(compact as? String)
+        {
             throw H2OConfigError(
                 "prefill_compact=\(compact) is not supported by the Swift port; it compacts "
                     + "each prefill chunk that overflows the budget ('chunk', or 'preview' "
-                    + "without a preview)")
+                    + "and 'two_pass' without a preview)")
         }
         if let batch = d["evict_batch"], (batch as? Int) != 1 {
             throw H2OConfigError(

@@ -115,8 +115,10 @@ struct ConfigTests {
         }
         #expect(try H2OConfig(dictionary: ["max_size": 8, "prefill_compact": "chunk"])
             == H2OConfig(maxSize: 8))
-        // Python's default "preview" is "chunk" where no preview pass runs.
+        // Python's default "preview" (and "two_pass") is "chunk" where no preview pass runs.
         #expect(try H2OConfig(dictionary: ["max_size": 8, "prefill_compact": "preview"])
+            == H2OConfig(maxSize: 8))
+        #expect(try H2OConfig(dictionary: ["max_size": 8, "prefill_compact": "two_pass"])
             == H2OConfig(maxSize: 8))
         // Neither is batched eviction (Python's evict_batch > 1).
         #expect(throws: H2OConfigError.self) {
