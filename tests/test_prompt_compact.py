@@ -267,7 +267,7 @@ def test_model_prefill_in_chunks(arch):
 
 
 def test_config_value_dict_and_options():
-    with pytest.raises(ValueError, match=r"prefill_compact='end'.*\('chunk', 'prompt', 'preview'\)"):
+    with pytest.raises(ValueError, match=r"prefill_compact='end'.*\('chunk', 'prompt', 'preview', 'two_pass'\)"):
         H2OConfig(max_size=8, prefill_compact="end")
     assert H2OConfig(max_size=8).prefill_compact == "preview"
     # "chunk" (the rule before the option) is left out of the dict: saved
@@ -276,7 +276,7 @@ def test_config_value_dict_and_options():
     assert "prefill_compact" not in config_to_dict(chunk)
     old = json.loads(json.dumps(config_to_dict(chunk)))
     assert config_from_dict(old) == chunk
-    for mode in ("prompt", "preview"):
+    for mode in ("prompt", "preview", "two_pass"):
         cfg = H2OConfig(max_size=8, prefill_compact=mode)
         assert config_from_dict(config_to_dict(cfg)) == cfg
     s = parse_strategy("h2o-heavy:prefill_compact=prompt,layer_budget=uniform")
