@@ -10,14 +10,14 @@ For each retrieval prompt (mlx-h2o retrieval's, depth 0.5): the prompt is
 prefilled in full (mlx-lm's KVCache, 2,048-token steps) and each layer's
 queries of its last 32 tokens recorded, the real ones. Each layer, KV head:
 attention of those 32 queries over every prompt key, summed over the queries
-and the group's query heads, max-pooled over +-10 positions (as the prefill
-pools, prefill_pool=21); its top tenth of keys is the real set. The same for
-the preview's last 32 queries (N tokens read, at their true positions, no
-other context) over the same keys. Printed: the share of the real set the
-preview's top tenth holds (recall), the mean over layers and heads; and the
-share of the answer's tokens (a value's digits, where findable) in each top
-tenth. `--reads 128+4` reads the prompt's first 4 tokens (its sinks) in front
-of the last 128.
+and the group's query heads, max-pooled over +-10 positions (the prefill's
+pool, policy.pool_neighbours, prefill_pool=21); its top tenth of keys is the
+real set. The same for the preview's last 32 queries (N tokens read, at
+their true positions, no other context) over the same keys. Printed: the
+share of the real set the preview's top tenth holds (recall), the mean over
+layers and heads; and the share of the answer's tokens (a value's digits,
+where findable) in each top tenth. `--reads 128+4` reads the prompt's first
+4 tokens (its sinks) in front of the last 128.
 
     python benchmarks/preview_agreement.py --model smollm2-135m --haystack austen --context 4096 --tasks single multikey sentence docqa --reads 32 128 128+4 512+4 1024+4
 """
@@ -29,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from mlx_h2o import policy
 from mlx_h2o.eval.common import load_any
 from mlx_h2o.eval.retrieval import haystack_text, make_prompts
 from mlx_h2o.integration.routing import patch
@@ -91,12 +92,9 @@ def pooled_mass(q, keys, scale):
     Hq, Hk = q.shape[1], keys.shape[1]
     qq = q.reshape(1, Hk, (Hq // Hk) * q.shape[2], q.shape[3]).astype(mx.float32)
     p = mx.softmax((qq * scale) @ keys.astype(mx.float32).transpose(0, 1, 3, 2), axis=-1)
-    a = np.array(p.sum(axis=2)[0])
-    out = a.copy()
-    for d in range(1, POOL + 1):
-        out[:, d:] = np.maximum(out[:, d:], a[:, :-d])
-        out[:, :-d] = np.maximum(out[:, :-d], a[:, d:])
-    return out
+    mass = p.sum(axis=2)  # (1, Hk, L)
+    positions = mx.broadcast_to(mx.arange(mass.shape[-1]), mass.shape)
+    return np.array(policy.pool_neighbours(mass, positions, POOL)[0])
 
 
 def top_sets(mass, k):
